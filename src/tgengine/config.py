@@ -1,0 +1,62 @@
+"""``EngineConfig``: what to run and how much memory to use. No I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine; validated on construction (``ValueError`` names the field).
+
+    ``num_blocks`` wins over ``kv_cache_memory``. Without either, the KV cache takes
+    ``gpu_memory_utilization`` of free memory on CUDA, and a fixed 512 MiB budget on CPU.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    step_timeout: float | None = None
+    when_asleep: Literal["reject", "wait"] = "reject"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.85
+    tokenizer: str | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: must name a model directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.step_timeout is not None and not self.step_timeout > 0:
+            raise ValueError(f"step_timeout: must be > 0 seconds, got {self.step_timeout}")
+        if self.when_asleep not in ("reject", "wait"):
+            raise ValueError(f"when_asleep: must be 'reject' or 'wait', got {self.when_asleep!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

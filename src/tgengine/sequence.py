@@ -1,0 +1,61 @@
+"""``Sequence``: one request's tokens and KV bookkeeping. Plain Python: no torch, no anyio."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The token ids of one request and where their KV lives.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache (prefix
+    cache hits included). The model computes ``token_ids[num_computed_tokens:]`` in one
+    or more steps (chunked prefill); a token is sampled once all of them are computed.
+    ``block_hashes[i]`` is the prefix hash of the full block ``block_table[i]``, known
+    once that block is full and computed.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
