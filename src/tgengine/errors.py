@@ -9,6 +9,7 @@
      ├─ EngineDeadError          the engine failed; __cause__ is the original exception (503)
      ├─ CacheNotReadyError       one request's KV cache is missing; becomes its error chunk
      ├─ IllegalStateError        a control call that the current state does not allow
+     ├─ ModelLoadError           the model directory is missing, broken or unsupported
      └─ InvalidRequestError      bad parameters or prompt; also a ValueError (server: 400)
 """
 
@@ -79,3 +80,12 @@ class InvalidRequestError(TGEngineError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class ModelLoadError(TGEngineError):
+    """The model directory is missing, broken, or holds a model type tgengine cannot run."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        self.model = model
+        self.reason = reason
+        super().__init__(f"cannot load model {model!r}: {reason}")
