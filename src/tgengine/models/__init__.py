@@ -1,0 +1,24 @@
+"""Llama-family models: config, paged KV cache, tgengine's own forward, and weight loading."""
+
+from __future__ import annotations
+
+from tgengine.models.config import ModelConfig, RopeConfig, load_model_config, resolve_dtype
+from tgengine.models.inputs import ForwardInputs, PrefillSpan
+from tgengine.models.kv_cache import KVCache
+from tgengine.models.llama import CausalLM
+from tgengine.models.loader import iter_safetensors, load_model, load_weights, weight_specs
+
+__all__ = [
+    "CausalLM",
+    "ForwardInputs",
+    "KVCache",
+    "ModelConfig",
+    "PrefillSpan",
+    "RopeConfig",
+    "iter_safetensors",
+    "load_model",
+    "load_model_config",
+    "load_weights",
+    "resolve_dtype",
+    "weight_specs",
+]

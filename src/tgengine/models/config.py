@@ -1,0 +1,235 @@
+"""``ModelConfig``: what tgengine needs from a Hugging Face ``config.json``, read once.
+
+``load_model_config`` is the only place that talks to transformers' ``AutoConfig``; everything
+downstream (model, KV cache, engine limits) reads the plain frozen dataclass.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgengine.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; ``rope_type`` is one of ``SUPPORTED_ROPE_TYPES``.
+
+    ``factor`` is used by "linear" and "llama3"; the ``*_freq_factor`` fields and
+    ``original_max_position_embeddings`` only by "llama3".
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder's shape and constants, independent of transformers' classes."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None  # keys older than this many positions are not attended
+    torch_dtype: torch.dtype | None = None  # the checkpoint's dtype, if config.json says
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    model_dir: str = ""
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json`` (and ``generation_config.json`` if present), offline.
+
+    Raises ``ModelLoadError`` with a one-line reason when the directory or its config is
+    missing or broken, or when the model type or a feature of it is not supported.
+    """
+    path = Path(model_dir)
+    name = str(model_dir)
+    raw = _read_json(path, "config.json", required=True)
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise ModelLoadError(name, "config.json has no model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        raise ModelLoadError(
+            name, f"model type {model_type!r} is not supported (supported: {supported})"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds; all mean "unreadable config"
+        raise ModelLoadError(name, f"cannot read config.json: {_one_line(exc)}") from exc
+    try:
+        return _build(hf, model_type, path)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(name, f"config.json is incomplete: {_one_line(exc)}") from exc
+
+
+def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    """Map an ``EngineConfig.dtype`` string to a torch dtype.
+
+    ``"auto"`` is the checkpoint's dtype when it is float32, bfloat16 or float16, else float32.
+    """
+    if dtype == "auto":
+        if config.torch_dtype in _DTYPES.values():
+            return config.torch_dtype  # type: ignore[return-value]
+        return torch.float32
+    if dtype not in _DTYPES:
+        choices = ", ".join(["auto", *_DTYPES])
+        raise ValueError(f"dtype: expected one of {choices}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
+    name = str(path)
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(name, f"hidden_act {act!r} is not supported (supported: silu)")
+    num_heads = int(hf.num_attention_heads)
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
+    if num_heads % num_kv_heads != 0:
+        raise ModelLoadError(
+            name, f"num_attention_heads {num_heads} is not a multiple of kv heads {num_kv_heads}"
+        )
+    max_pos = int(hf.max_position_embeddings)
+    gen = _read_json(path, "generation_config.json", required=False)
+    eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(gen.get("eos_token_id"))
+    bos = getattr(hf, "bos_token_id", None)
+    if bos is None:
+        bos = gen.get("bos_token_id")
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(hf.intermediate_size),
+        num_layers=int(hf.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope=_rope_config(hf, max_pos, name),
+        # Qwen2 always has q/k/v bias (its config has no flag); Llama reads attention_bias.
+        attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        max_position_embeddings=max_pos,
+        sliding_window=_sliding_window(hf, model_type, max_pos, name),
+        torch_dtype=_config_dtype(hf),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        bos_token_id=int(bos) if isinstance(bos, int) else None,
+        model_dir=name,
+    )
+
+
+def _rope_config(hf: Any, max_pos: int, name: str) -> RopeConfig:
+    # transformers 5 keeps everything in rope_parameters; 4.x has rope_theta + rope_scaling.
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ModelLoadError(
+            name, f"rope type {rope_type!r} is not supported (supported: {supported})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(name, "partial_rotary_factor is not supported")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params["factor"])
+    if rope_type == "linear":
+        return RopeConfig(rope_type="linear", theta=theta, factor=factor)
+    return RopeConfig(
+        rope_type="llama3",
+        theta=theta,
+        factor=factor,
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings") or max_pos
+        ),
+    )
+
+
+def _sliding_window(hf: Any, model_type: str, max_pos: int, name: str) -> int | None:
+    if model_type == "qwen2":
+        # Qwen2's window applies only to some layers (max_window_layers): not supported.
+        if getattr(hf, "use_sliding_window", False):
+            raise ModelLoadError(name, "qwen2 with use_sliding_window=true is not supported")
+        return None
+    window = getattr(hf, "sliding_window", None)
+    if window is None or int(window) >= max_pos:
+        return None
+    return int(window)
+
+
+def _config_dtype(hf: Any) -> torch.dtype | None:
+    value = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()
+
+
+def _read_json(path: Path, filename: str, *, required: bool) -> dict[str, Any]:
+    name = str(path)
+    if not path.exists():
+        raise ModelLoadError(name, "directory does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(name, "not a directory")
+    file = path / filename
+    if not file.is_file():
+        if required:
+            raise ModelLoadError(name, f"{filename} not found")
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(name, f"{filename} is not valid JSON: {_one_line(exc)}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(name, f"{filename} is not a JSON object")
+    return data
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

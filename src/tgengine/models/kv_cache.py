@@ -1,0 +1,62 @@
+"""``KVCache``: the paged key/value memory of every layer, in one tensor.
+
+``kv`` has shape ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``; index 0
+of the second axis holds keys, 1 values. A token's KV lives at the flat slot
+``block_id * block_size + offset`` of every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tgengine.models.config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    kv: torch.Tensor
+    block_size: int
+
+    @staticmethod
+    def allocate(
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """Allocate a zeroed cache (zeros, so masked-out slots never inject NaN)."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        shape = (
+            config.num_layers,
+            2,
+            num_blocks * block_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        return KVCache(kv=torch.zeros(shape, dtype=dtype, device=device), block_size=block_size)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+        return per_token * block_size * element_size
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[2]) // self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.numel() * self.kv.element_size())
+
+    def layer_blocks(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` viewed as ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        kv = self.kv[layer]
+        return kv.view(2, self.num_blocks, self.block_size, kv.shape[-2], kv.shape[-1])

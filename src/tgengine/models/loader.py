@@ -1,0 +1,130 @@
+"""Load safetensors checkpoints into a ``CausalLM`` by Hugging Face parameter name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from tgengine.errors import ModelLoadError
+from tgengine.models.config import ModelConfig, resolve_dtype
+from tgengine.models.llama import CausalLM
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# Checkpoint tensors that hold no learned state of ours (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, cpu_tensor)`` for every tensor of the directory's safetensors files.
+
+    Reads ``model.safetensors.index.json`` shards if present, else ``model.safetensors``, else
+    every ``*.safetensors`` file. Raises ``ModelLoadError`` when there is none.
+    """
+    from safetensors import safe_open
+
+    for file in _safetensors_files(Path(model_dir)):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as exc:
+            reason = f"cannot read {file.name}: {type(exc).__name__}: {exc}".splitlines()[0]
+            raise ModelLoadError(str(model_dir), reason) from exc
+
+
+def load_model(
+    config: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+) -> CausalLM:
+    """Build a ``CausalLM`` on ``device`` in ``dtype`` and fill every parameter from disk.
+
+    ``dtype`` may be a string as ``resolve_dtype`` takes it ("auto", "bfloat16", ...).
+    Raises ``ModelLoadError`` for a missing, unexpected or wrongly shaped tensor.
+    """
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    # On meta these casts cost nothing; to_empty then allocates each parameter once.
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    load_weights(model, iter_safetensors(model_dir), strict=True, source=str(model_dir))
+    return model.eval()
+
+
+def weight_specs(model: CausalLM) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{checkpoint name: (shape, dtype)}`` of every parameter the model loads."""
+    return {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+
+
+def load_weights(
+    model: CausalLM,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    strict: bool,
+    source: str = "weights",
+) -> set[str]:
+    """Copy tensors into the model's parameters in place (cast to their dtype and device).
+
+    Returns the names loaded. Names like ``rotary_emb.inv_freq`` are ignored, and so is
+    ``lm_head.weight`` when the model ties it to the embedding. With ``strict``, every
+    parameter must be given. Raises ``ModelLoadError(source, ...)`` naming an unexpected
+    tensor, a wrong shape, or (strict) the missing ones; tensors copied before the error stay
+    copied, so validate against ``weight_specs`` first when a partial update is unacceptable.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and model.lm_head is None:
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(source, f"unexpected tensor {name!r}")
+            if tensor.shape != param.shape:
+                raise ModelLoadError(
+                    source,
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}",
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if strict and missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        names = ", ".join(repr(n) for n in missing[:3])
+        raise ModelLoadError(source, f"missing tensor {names}{more}")
+    return loaded
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    if not model_dir.is_dir():
+        raise ModelLoadError(str(model_dir), "directory does not exist")
+    index = model_dir / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(str(model_dir), f"{_INDEX} is broken: {exc}") from exc
+        files = [model_dir / shard for shard in shards]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(
+                    str(model_dir), f"shard {file.name} listed in {_INDEX} is missing"
+                )
+        return files
+    if (model_dir / _SINGLE).is_file():
+        return [model_dir / _SINGLE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(str(model_dir), "no *.safetensors weights found")
+    return files
