@@ -320,3 +320,11 @@ def test_kv_cache_sizes(tiny_qwen2_dir: Path) -> None:
     assert (cache.num_blocks, cache.block_size) == (10, BLOCK_SIZE)
     assert cache.nbytes == 10 * KVCache.bytes_per_block(config, BLOCK_SIZE, torch.float16)
     assert KVCache.bytes_per_block(config, BLOCK_SIZE, torch.float16) == 2 * 2 * 4 * 2 * 16 * 2
+
+
+def test_tied_model_ignores_checkpoint_lm_head(tiny_qwen2_dir: Path) -> None:
+    model = load_model(load_model_config(tiny_qwen2_dir), tiny_qwen2_dir, "float32", "cpu")
+    embed = model.model.embed_tokens.weight.clone()
+    named = [("lm_head.weight", torch.zeros_like(embed))]
+    assert load_weights(model, named, strict=False) == set()
+    assert torch.equal(model.model.embed_tokens.weight, embed)
