@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from model_factory import make_tiny_model_dir, read_config, write_config
 from tgengine.errors import ModelLoadError
 from tgengine.models import (
     CausalLM,
@@ -25,6 +24,8 @@ from tgengine.models import (
     weight_specs,
 )
 from tgengine.models.rope import inv_frequencies
+
+from model_factory import make_tiny_model_dir, read_config, write_config
 
 BLOCK_SIZE = 4
 ATOL = 1e-4

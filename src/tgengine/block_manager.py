@@ -154,6 +154,16 @@ class BlockManager:
             _check_positive("num_blocks", num_blocks)
         self._init_blocks(self.num_blocks if num_blocks is None else num_blocks)
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix (the weights changed, so cached KV is stale).
+
+        Blocks held by sequences stay theirs; only the hash table is cleared.
+        """
+        for block in self.blocks:
+            block.block_hash = block.parent_hash = None
+            block.token_ids = ()
+        self._hash_to_block.clear()
+
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` if the free list, ref counts or hash table disagree."""
         problems: list[str] = []

@@ -54,11 +54,7 @@ class SamplingParams:
 
 
 def _is_real(value: object) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

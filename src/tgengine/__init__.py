@@ -1,0 +1,42 @@
+"""tgengine: an LLM inference engine whose lifecycle is structured concurrency."""
+
+from .config import EngineConfig
+from .engine import Engine
+from .errors import (
+    CacheNotReadyError,
+    EngineDeadError,
+    EnginePausedError,
+    EngineSleepingError,
+    EngineStoppedError,
+    IllegalStateError,
+    InvalidRequestError,
+    ModelLoadError,
+    TGEngineError,
+)
+from .model_agent import MemoryStats
+from .open_engine import open_engine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+from .state import EngineState
+from .stats import EngineStats
+
+__all__ = [
+    "CacheNotReadyError",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EnginePausedError",
+    "EngineSleepingError",
+    "EngineState",
+    "EngineStats",
+    "EngineStoppedError",
+    "IllegalStateError",
+    "InvalidRequestError",
+    "MemoryStats",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+    "TGEngineError",
+    "open_engine",
+]
+__version__ = "0.1.0"

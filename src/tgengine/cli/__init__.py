@@ -1,0 +1,1 @@
+"""The dev runner: ``python -m tgengine generate | serve | bench``."""

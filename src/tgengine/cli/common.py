@@ -1,0 +1,70 @@
+"""Options and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import EngineConfig
+from ..errors import TGEngineError
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer). "
+        "Default: SmolLM2-135M-Instruct, converted once into ~/.cache/tgengine",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and KV cache dtype; auto = the model config's (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        metavar="BYTES",
+        help="KV cache budget in bytes (default: 512 MiB on CPU, free memory on CUDA)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, metavar="N", help="longest prompt + output in tokens"
+    )
+    parser.add_argument(
+        "--backend",
+        default="asyncio",
+        choices=["asyncio", "trio"],
+        help="the event loop to run on (default: %(default)s)",
+    )
+
+
+def resolve_model(model: str | None) -> str:
+    """The model directory to use: ``--model``, or the default model (converted on first use)."""
+    if model:
+        return model
+    from ..default_model import ensure_default_model
+
+    return str(ensure_default_model(progress=True))
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    return EngineConfig(
+        model=resolve_model(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+def fail(exc: BaseException) -> int:
+    """Print a one-line error (with its cause) and return the exit status."""
+    cause = exc.__cause__
+    message = str(exc)
+    if isinstance(exc, TGEngineError) and cause is not None and str(cause) not in message:
+        message = f"{message} ({cause})"
+    print(f"error: {message}", file=sys.stderr)
+    return 1

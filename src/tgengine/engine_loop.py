@@ -1,0 +1,166 @@
+"""``EngineLoop``: schedule → execute → publish, one step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import anyio.abc
+
+from .config import EngineConfig
+from .executor import Executor
+from .model_agent import AgentInfo
+from .requests import Request, RequestTracker
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .step import SeqStep, StepBatch
+
+
+class StepTimeoutError(TimeoutError):
+    """A forward step did not return within ``EngineConfig.step_timeout``."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"forward step did not return within step_timeout={timeout} s")
+
+
+class EngineLoop:
+    """Drives the scheduler and the executor.
+
+    It steps only while ``can_step()`` allows (the Engine's state machine decides) and
+    there is work. Control calls take ``step_lock`` to act between two steps.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        can_step: Callable[[], bool],
+        weight_version: Callable[[], int],
+        on_fault: Callable[[BaseException], None],
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self._can_step = can_step
+        self._weight_version = weight_version
+        self._on_fault = on_fault
+        self.last_step_time: float | None = None
+        self.num_preemptions = 0
+        self.scheduler: Scheduler | None = None
+        self.tracker: RequestTracker | None = None
+        self.info: AgentInfo | None = None
+        self.step_lock = anyio.Lock()
+        self._work = anyio.Event()
+        self._progress = anyio.Event()
+        self._finished_ids: list[str] = []
+        self.num_steps = 0
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the executor, then step whenever allowed; returns only when cancelled."""
+        async with anyio.create_task_group() as tg:
+            info = await tg.start(self.executor.run)
+            self._setup(info)
+            task_status.started(info)
+            try:
+                await self._serve()
+            except Exception as exc:
+                self._on_fault(exc)  # every request gets its error chunk now, not after cleanup
+                raise
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wait_for_work()
+            async with self.step_lock:
+                stalled = self._can_step() and not await self._step()
+            if stalled:  # work exists but none is runnable until something changes
+                await self._work.wait()
+
+    def _setup(self, info: AgentInfo) -> None:
+        cfg = self.config
+        self.info = info
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=info.num_blocks,
+                block_size=info.block_size,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+            )
+        )
+        eos = frozenset(info.model_config.eos_token_ids)
+        self.tracker = RequestTracker(eos, info.max_model_len)
+        self.tracker.finish_hooks.append(self._on_finish)
+
+    def _on_finish(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(request.request_id)  # a no-op for a request it never saw
+        self._finished_ids.append(request.request_id)
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the loop and anyone waiting for progress: the work or the gate changed."""
+        self._work.set()
+        self._progress.set()
+
+    async def _wait_for_work(self) -> None:
+        while not (self._can_step() and self._has_work()):
+            await self._work.wait()
+            self._work = anyio.Event()
+
+    def _has_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_unfinished()
+
+    async def wait_until_idle(self) -> None:
+        """Return once no admitted request is left in the scheduler."""
+        while self._has_work():
+            await self._progress.wait()
+            self._progress = anyio.Event()
+
+    async def _step(self) -> bool:
+        """Run one step; False when nothing could be scheduled."""
+        assert self.scheduler is not None and self.tracker is not None
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self.num_preemptions += len(batch.preempted)
+            if batch.preempted:
+                return True  # blocks were freed: the next schedule can admit
+            self._work = anyio.Event()
+            return False
+        step = self._step_batch(batch)
+        timeout = self.config.step_timeout
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else _no_deadline():
+                result = await self.executor.execute(step)
+        except TimeoutError as exc:
+            raise StepTimeoutError(timeout or 0.0) from exc
+        self.num_steps += 1
+        self.num_preemptions += len(batch.preempted)
+        self.last_step_time = anyio.current_time()
+        self.scheduler.update_after_step(batch)
+        self.tracker.publish(batch.seqs, result, self._weight_version())
+        self.notify()
+        return True
+
+    def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
+        assert self.tracker is not None
+        seqs = []
+        for i, seq in enumerate(batch.seqs):
+            n = batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            request = self.tracker.get(seq.seq_id)
+            params = request.params if request is not None and batch.needs_sample(i) else None
+            seqs.append(
+                SeqStep(
+                    seq.seq_id,
+                    seq.token_ids[start : start + n],
+                    start,
+                    list(seq.block_table),
+                    params,
+                )
+            )
+        finished, self._finished_ids = self._finished_ids, []
+        return StepBatch(seqs, finished)
+
+
+def _no_deadline() -> anyio.CancelScope:
+    return anyio.CancelScope()

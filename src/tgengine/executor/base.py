@@ -1,0 +1,28 @@
+"""The interface the EngineLoop sees: one ``run()`` plus step and memory calls."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import anyio.abc
+import torch
+
+from ..model_agent import AgentInfo, MemoryStats
+from ..step import StepBatch, StepResult
+
+
+class Executor(Protocol):
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the workers; ``started(info)`` once they can serve; returns only when cancelled."""
+
+    async def execute(self, batch: StepBatch) -> StepResult: ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wakeup(self, tag: str) -> bool: ...
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def memory_stats(self) -> dict[str, MemoryStats]: ...

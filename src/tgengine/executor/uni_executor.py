@@ -1,0 +1,42 @@
+"""``UniExecutor``: one ModelAgent in this process."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.abc
+import torch
+
+from .._faults import FaultInjector
+from ..config import EngineConfig
+from ..model_agent import AgentInfo, MemoryStats, ModelAgent
+from ..step import StepBatch, StepResult
+
+
+class UniExecutor:
+    """Runs a single in-process ModelAgent as its only child."""
+
+    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+        self.agent = ModelAgent(config, faults)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the agent and pass its info up; returns only when cancelled."""
+        async with anyio.create_task_group() as tg:
+            info = await tg.start(self.agent.run)
+            task_status.started(info)
+
+    async def execute(self, batch: StepBatch) -> StepResult:
+        return await self.agent.execute(batch)
+
+    async def sleep(self, level: int) -> None:
+        await self.agent.sleep(level)
+
+    async def wakeup(self, tag: str) -> bool:
+        return await self.agent.wakeup(tag)
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        await self.agent.update_weights(named)
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        return self.agent.memory_stats()

@@ -1,0 +1,333 @@
+"""``ModelAgent``: owns the weights and the KV cache; runs forward steps off the event loop."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from ._faults import FaultInjector
+from .config import EngineConfig
+from .errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
+from .model_inputs import prepare_inputs
+from .models import (
+    CausalLM,
+    KVCache,
+    ModelConfig,
+    iter_safetensors,
+    load_model,
+    load_model_config,
+    load_weights,
+    resolve_dtype,
+    weight_specs,
+)
+from .sampler import Sampler, SamplingRow
+from .step import SeqStep, StepBatch, StepResult
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CPU_KV_CACHE_BYTES = 512 * 1024**2  # default KV budget on CPU, where free memory means little
+CLEANUP_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """What the agent tells its parents once it can serve."""
+
+    model_config: ModelConfig
+    device: str
+    dtype: torch.dtype
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes held on one device; ``host_weights_bytes`` are weights offloaded by sleep(1)."""
+
+    device: str
+    weights_bytes: int
+    kv_cache_bytes: int
+    host_weights_bytes: int
+    allocator: dict[str, int]
+
+
+class ModelAgent:
+    """Holds the model and its KV cache for as long as ``run()`` runs.
+
+    Every torch call runs in a worker thread, one at a time, so the event loop stays
+    responsive during a step. The residency invariant — no forward step unless the
+    weights and the KV cache are resident — is checked in one place, ``_forward``.
+    """
+
+    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+        self.config = config
+        self._faults = faults
+        self._model: CausalLM | None = None
+        self._kv: KVCache | None = None
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        self._weights_resident = False
+        self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._info: AgentInfo | None = None
+        self._sampler = Sampler(seed=config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._idle = threading.Event()
+        self._idle.set()
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Load weights and allocate the KV cache, then hold them; returns only when cancelled.
+
+        On the way out (cancelled or failed) the memory is released under a shielded
+        scope with a deadline, after any in-flight step has returned.
+        """
+        self._limiter = anyio.CapacityLimiter(1)
+        try:
+            info = await self._in_thread(self._load)
+            task_status.started(info)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True) as scope:
+                scope.deadline = anyio.current_time() + CLEANUP_TIMEOUT
+                await anyio.to_thread.run_sync(self._idle.wait, CLEANUP_TIMEOUT)
+                try:
+                    await self._in_thread(self._release_all)
+                except Exception:  # never hide the error that brought us here
+                    log.exception("releasing model memory failed")
+
+    async def execute(self, batch: StepBatch) -> StepResult:
+        """Run one forward step and sample.
+
+        Cancelling abandons the worker thread, which finishes the step on its own.
+        """
+        return await self._in_thread(self._step, batch, abandon=True)
+
+    async def sleep(self, level: int) -> None:
+        await self._in_thread(self._sleep, level)
+
+    async def wakeup(self, tag: str) -> bool:
+        """Make ``tag`` resident again; True when the weights were reloaded from disk."""
+        return await self._in_thread(self._wakeup, tag)
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        await self._in_thread(self._update_weights, named)
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        device = self._info.device if self._info else "cpu"
+        weights = 0
+        if self._model is not None and self._weights_resident:
+            weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        host = sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values())
+        allocator: dict[str, int] = {}
+        if device.startswith("cuda"):
+            allocator = {
+                "allocated_bytes": torch.cuda.memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device),
+            }
+        kv = self._kv.nbytes if self._kv is not None else 0
+        return {device: MemoryStats(device, weights, kv, host, allocator)}
+
+    # -- worker-thread side ---------------------------------------------------------
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any, abandon: bool = False) -> T:
+        return await anyio.to_thread.run_sync(
+            fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
+        )
+
+    def _load(self) -> AgentInfo:
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        model_config = load_model_config(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, model_config)
+        device = _pick_device(cfg.device)
+        self._model = load_model(model_config, cfg.model, dtype, device)
+        self._weights_resident = True
+        self._specs = weight_specs(self._model)
+        max_len = cfg.max_model_len or model_config.max_position_embeddings
+        num_blocks = self._plan_num_blocks(model_config, dtype, device, max_len)
+        self._kv = KVCache.allocate(model_config, num_blocks, cfg.block_size, dtype, device)
+        self._info = AgentInfo(
+            model_config=model_config,
+            device=str(device),
+            dtype=dtype,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_model_len=min(max_len, num_blocks * cfg.block_size),
+        )
+        return self._info
+
+    def _plan_num_blocks(
+        self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int
+    ) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = KVCache.bytes_per_block(mc, cfg.block_size, dtype)
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        blocks_per_seq = -(-max_len // cfg.block_size)
+        num_blocks = min(budget // per_block, cfg.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            reason = f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)"
+            raise ModelLoadError(cfg.model, reason)
+        return int(num_blocks)
+
+    def _step(self, batch: StepBatch) -> StepResult:
+        self._idle.clear()
+        try:
+            step = self._faults.before_step() if self._faults is not None else 0
+            for seq_id in batch.finished_ids:
+                self._generators.pop(seq_id, None)
+            result = StepResult()
+            ready = []
+            for seq in batch.seqs:
+                problem = self._cache_problem(seq, step)
+                if problem is None:
+                    ready.append(seq)
+                else:
+                    result.errors[seq.seq_id] = str(CacheNotReadyError(seq.seq_id, problem))
+            if ready:
+                self._forward(ready, result)
+            return result
+        finally:
+            self._idle.set()
+
+    def _cache_problem(self, seq: SeqStep, step: int) -> str | None:
+        if self._kv is None:
+            return "the KV cache is released (the engine is asleep)"
+        bs = self._kv.block_size
+        last_pos = seq.start_pos + len(seq.token_ids) - 1
+        if last_pos // bs >= len(seq.block_table):
+            return f"position {last_pos} has no block (block table of {len(seq.block_table)})"
+        for block in seq.block_table:
+            if not 0 <= block < self._kv.num_blocks:
+                return f"block {block} is not in the cache ({self._kv.num_blocks} blocks)"
+        if self._faults is not None and self._faults.is_cache_not_ready(step, seq.seq_id):
+            return "injected fault: cache not ready"
+        return None
+
+    def _forward(self, seqs: list[SeqStep], result: StepResult) -> None:
+        if self._model is None or not self._weights_resident or self._kv is None:
+            raise RuntimeError("invariant violated: forward step while memory is not resident")
+        device = self._kv.kv.device
+        with torch.inference_mode():
+            inputs = prepare_inputs(seqs, self._kv.block_size, device)
+            logits = self._model(inputs, self._kv)
+            sampling = [s for s in seqs if s.params is not None]
+            if not sampling:
+                return
+            rows = [SamplingRow(s.params, self._generator(s)) for s in sampling if s.params]
+            sampled = self._sampler(logits, rows)
+        for i, seq in enumerate(sampling):
+            result.token_ids[seq.seq_id] = sampled.token_ids[i]
+            if sampled.logprobs is not None:
+                result.logprobs[seq.seq_id] = sampled.logprobs[i]
+
+    def _generator(self, seq: SeqStep) -> torch.Generator | None:
+        if seq.params is None or seq.params.seed is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self._kv.kv.device if self._kv else "cpu")
+            gen.manual_seed(seq.params.seed)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def _sleep(self, level: int) -> None:
+        self._kv = None
+        if self._model is not None and self._weights_resident:
+            if level == 1:
+                self._host_weights = {
+                    name: p.detach().to("cpu", copy=p.device.type != "cpu")
+                    for name, p in self._model.named_parameters()
+                }
+            for p in self._model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._weights_resident = False
+        if level == 2:
+            self._host_weights = None
+        _free_device_memory()
+
+    def _wakeup(self, tag: str) -> bool:
+        if self._info is None or self._model is None:
+            raise RuntimeError("wakeup before the model was loaded")
+        if tag == "kv_cache":
+            if self._kv is None:
+                info = self._info
+                self._kv = KVCache.allocate(
+                    info.model_config,
+                    info.num_blocks,
+                    info.block_size,
+                    info.dtype,
+                    torch.device(info.device),
+                )
+            return False
+        if self._weights_resident:
+            return False
+        device = torch.device(self._info.device)
+        reloaded = self._host_weights is None
+        for name, p in self._model.named_parameters():
+            if self._host_weights is not None:
+                p.data = self._host_weights[name].to(device)
+            else:
+                shape, dtype = self._specs[name]
+                p.data = torch.empty(shape, dtype=dtype, device=device)
+        if reloaded:
+            load_weights(self._model, iter_safetensors(self.config.model), strict=True)
+        self._host_weights = None
+        self._weights_resident = True
+        return reloaded
+
+    def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if self._model is None or not self._weights_resident:
+            raise RuntimeError("update_weights while the weights are not resident")
+        for name, tensor in named:
+            if name not in self._specs:
+                raise InvalidRequestError("weights", f"unknown tensor name {name!r}")
+            shape, dtype = self._specs[name]
+            if tuple(tensor.shape) != tuple(shape):
+                raise InvalidRequestError(
+                    "weights", f"{name}: shape {tuple(tensor.shape)} != expected {tuple(shape)}"
+                )
+            if tensor.dtype != dtype:
+                raise InvalidRequestError("weights", f"{name}: dtype {tensor.dtype} != {dtype}")
+        params = dict(self._model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].data.copy_(tensor)
+
+    def _release_all(self) -> None:
+        self._kv = None
+        self._model = None
+        self._host_weights = None
+        self._weights_resident = False
+        self._generators.clear()
+        _free_device_memory()
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

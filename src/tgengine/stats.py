@@ -1,0 +1,32 @@
+"""``EngineStats``: a snapshot of the engine for tests, /metrics and dashboards."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    weight_version: int
+    num_steps: int
+    last_step_time: float | None
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    finished_total: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Counters:
+    """Running totals, updated by the request tracker's hooks."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Counter[str] = field(default_factory=Counter)

@@ -1,0 +1,35 @@
+"""What one engine step asks of the model and what it gets back. Plain data: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    """One sequence's part of a step: compute ``token_ids`` at ``start_pos`` onward.
+
+    ``params`` is set when a token is sampled after this step (the last prompt chunk
+    or a decode); ``None`` for a prompt chunk that is not the last.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    params: SamplingParams | None = None
+
+
+@dataclass
+class StepBatch:
+    seqs: list[SeqStep]
+    finished_ids: list[str] = field(default_factory=list)  # per-request state to drop
+
+
+@dataclass
+class StepResult:
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # seq_id -> CacheNotReadyError text

@@ -1,0 +1,86 @@
+"""Helpers shared by the engine tests: running requests and the transformers reference."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import anyio
+import torch
+
+from tgengine import Engine, EngineConfig, RequestOutput, SamplingParams
+
+TIMEOUT = 60  # seconds: a bound on any single engine test; none should come close
+
+
+def make_prompts(vocab_size: int, count: int = 8, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of different lengths (1..41); some share a 9-token prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab_size) for _ in range(9)]
+    prompts = []
+    for i in range(count):
+        length = [1, 5, 9, 13, 17, 24, 33, 41][i % 8]
+        tail = [rng.randrange(3, vocab_size) for _ in range(length)]
+        prompts.append((shared + tail)[:length] if i % 2 else tail)
+    return prompts
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(model_dir: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model_dir: Path | str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers ``generate``, greedy, EOS ignored: the reference tokens."""
+    model = _hf_model(str(model_dir))
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def collect(
+    engine: Engine, prompt: str | list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    return [chunk async for chunk in engine.generate(prompt, params)]
+
+
+def tokens_of(chunks: list[RequestOutput]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def generate_all(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[list[RequestOutput]]:
+    """Submit every prompt at once (continuous batching); chunks per prompt, in order."""
+    results: list[list[RequestOutput]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        results[i] = await collect(engine, prompts[i], params)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
+    options: dict[str, object] = {"dtype": "float32", "block_size": 4, "num_blocks": 256}
+    options.update(overrides)
+    return EngineConfig(model=str(model_dir), **options)  # type: ignore[arg-type]
