@@ -84,3 +84,54 @@ def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
     options: dict[str, object] = {"dtype": "float32", "block_size": 4, "num_blocks": 256}
     options.update(overrides)
     return EngineConfig(model=str(model_dir), **options)  # type: ignore[arg-type]
+
+
+class Consumer:
+    """Consumes one request's stream in a task; events say when it started and ended."""
+
+    def __init__(self, engine: Engine, prompt: str | list[int], params: SamplingParams) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.params = params
+        self.chunks: list[RequestOutput] = []
+        self.first_chunk = anyio.Event()
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+
+    async def run(self) -> None:
+        try:
+            async for chunk in self.engine.generate(self.prompt, self.params):
+                self.chunks.append(chunk)
+                self.first_chunk.set()
+        except Exception as exc:  # admission errors are part of what tests check
+            self.error = exc
+        finally:
+            self.first_chunk.set()
+            self.done.set()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1].finish_reason if self.chunks else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return tokens_of(self.chunks)
+
+
+def engine_threads() -> list[str]:
+    """Names of threads currently executing tgengine code (there must be none after stop)."""
+    import sys
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    busy = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        f = frame
+        while f is not None:
+            if "/tgengine/" in f.f_code.co_filename.replace("\\", "/"):
+                busy.append(names.get(ident, str(ident)))
+                break
+            f = f.f_back
+    return busy

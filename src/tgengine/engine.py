@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .state import MEMORY_TAGS, EngineState
+from .stream import RequestStream
 from .stats import Counters, EngineStats
 from .tokenizer import load_tokenizer
 
@@ -143,29 +144,22 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the chunks of one request; the last one has a ``finish_reason``.
+    ) -> RequestStream:
+        """Admit one request and return the stream of its chunks (use ``async for``).
 
-        Admission errors are raised before any chunk. Once admitted, the request never
-        raises. Breaking out of the loop, or cancelling the consumer, aborts the request
-        and frees its KV blocks.
+        Admission errors are raised here, before any chunk. Once admitted, the request
+        never raises: its last chunk has a ``finish_reason``. Breaking out of the loop,
+        cancelling the consumer, or dropping the stream aborts the request and frees its
+        KV blocks at once.
         """
         request = self._admit(prompt, params or SamplingParams(), request_id)
-        receive = request.receive
-        assert receive is not None
-        try:
-            async with receive:
-                async for chunk in receive:
-                    yield chunk
-        finally:
-            if not request.finished:
-                self._finish(request, "abort")
+        return RequestStream(request, lambda r: self._finish(r, "abort"))
 
     def _admit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None
