@@ -6,9 +6,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from engine_helpers import TIMEOUT, Consumer, collect, generate_all, greedy, tiny_config, tokens_of
 
 from tgengine import Engine, InvalidRequestError, SamplingParams, open_engine
+
+from engine_helpers import TIMEOUT, Consumer, collect, generate_all, greedy, tiny_config, tokens_of
 
 pytestmark = pytest.mark.anyio
 PROMPT = "The quick brown fox jumps over the lazy dog."

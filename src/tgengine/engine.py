@@ -34,8 +34,8 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .state import MEMORY_TAGS, EngineState
-from .stream import RequestStream
 from .stats import Counters, EngineStats
+from .stream import RequestStream
 from .tokenizer import load_tokenizer
 
 PauseMode = Literal["abort", "drain", "keep"]
