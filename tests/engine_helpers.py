@@ -89,8 +89,15 @@ def tiny_config(model_dir: Path, **overrides: object) -> EngineConfig:
 class Consumer:
     """Consumes one request's stream in a task; events say when it started and ended."""
 
-    def __init__(self, engine: Engine, prompt: str | list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> None:
         self.engine = engine
+        self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.chunks: list[RequestOutput] = []
@@ -100,7 +107,9 @@ class Consumer:
 
     async def run(self) -> None:
         try:
-            async for chunk in self.engine.generate(self.prompt, self.params):
+            async for chunk in self.engine.generate(
+                self.prompt, self.params, request_id=self.request_id
+            ):
                 self.chunks.append(chunk)
                 self.first_chunk.set()
         except Exception as exc:  # admission errors are part of what tests check

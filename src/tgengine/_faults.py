@@ -17,6 +17,8 @@ class FaultInjector:
     cache_not_ready_at: dict[int, set[str]] = field(default_factory=dict)
     hang_limit: float = 60.0
     num_steps: int = 0
+    hanging: threading.Event = field(default_factory=threading.Event)
+    hang_returned: threading.Event = field(default_factory=threading.Event)
     _release: threading.Event = field(default_factory=threading.Event)
 
     def before_step(self) -> int:
@@ -24,7 +26,9 @@ class FaultInjector:
         self.num_steps += 1
         step = self.num_steps
         if step in self.hang_at:
+            self.hanging.set()
             self._release.wait(self.hang_limit)
+            self.hang_returned.set()
         if step in self.raise_at:
             raise self.raise_at[step]
         return step

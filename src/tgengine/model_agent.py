@@ -99,7 +99,9 @@ class ModelAgent:
         finally:
             with anyio.CancelScope(shield=True) as scope:
                 scope.deadline = anyio.current_time() + CLEANUP_TIMEOUT
-                await anyio.to_thread.run_sync(self._idle.wait, CLEANUP_TIMEOUT)
+                # A step still in flight finishes first, unless it is wedged (step_timeout).
+                wait = min(self.config.step_timeout or CLEANUP_TIMEOUT, CLEANUP_TIMEOUT)
+                await anyio.to_thread.run_sync(self._idle.wait, wait)
                 try:
                     await self._in_thread(self._release_all)
                 except Exception:  # never hide the error that brought us here

@@ -1,0 +1,97 @@
+"""Faults: a failing or wedged step kills the engine loudly; a missing cache fails one request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tgengine import Engine, EngineDeadError, EngineState
+from tgengine._faults import FaultInjector
+
+from engine_helpers import TIMEOUT, Consumer, collect, engine_threads, greedy, tiny_config
+
+pytestmark = pytest.mark.anyio
+PROMPTS = [[3 + i, 40, 41 + 2 * i, 50, 60 + i, 7] for i in range(8)]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+async def test_exception_at_step_n_errors_every_request(tiny_llama_dir: Path) -> None:
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    boom = Boom("injected")
+    consumers = [Consumer(engine, p, greedy(10_000)) for p in PROMPTS]
+    with anyio.fail_after(TIMEOUT):
+        with pytest.RaisesGroup(EngineDeadError) as info:
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                for c in consumers:
+                    tg.start_soon(c.run)
+                for c in consumers:
+                    await c.first_chunk.wait()
+                faults.raise_at[faults.num_steps + 2] = boom
+                await anyio.sleep_forever()
+    dead = info.value.exceptions[0]
+    assert dead.__cause__ is boom
+    assert [c.finish_reason for c in consumers] == ["error"] * 8
+    assert all("Boom" in (c.chunks[-1].error or "") for c in consumers)
+    assert engine.state is EngineState.DEAD
+    with pytest.raises(EngineDeadError):
+        engine.generate("x", greedy(2))
+    assert engine_threads() == []
+
+
+async def test_hang_with_step_timeout_is_a_fault(tiny_llama_dir: Path) -> None:
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir, step_timeout=0.5), _faults=faults)
+    consumers = [Consumer(engine, p, greedy(10_000)) for p in PROMPTS]
+    try:
+        with anyio.fail_after(0.5 + TIMEOUT):
+            with pytest.RaisesGroup(EngineDeadError) as info:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(engine.run)
+                    for c in consumers:
+                        tg.start_soon(c.run)
+                    for c in consumers:
+                        await c.first_chunk.wait()
+                    faults.hang_at.add(faults.num_steps + 2)
+                    await anyio.sleep_forever()
+    finally:
+        faults.release()
+    assert isinstance(info.value.exceptions[0].__cause__, TimeoutError)
+    assert [c.finish_reason for c in consumers] == ["error"] * 8
+    assert faults.hanging.is_set()
+    await anyio.to_thread.run_sync(faults.hang_returned.wait, TIMEOUT)
+
+
+async def test_cache_not_ready_fails_one_request_only(tiny_llama_dir: Path) -> None:
+    params = greedy(30)
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            want = [
+                [t for c in await collect(engine, p, params) for t in c.token_ids] for p in PROMPTS
+            ]
+            consumers = [
+                Consumer(engine, p, params, request_id=f"r{i}") for i, p in enumerate(PROMPTS)
+            ]
+            for c in consumers:
+                tg.start_soon(c.run)
+            for c in consumers:
+                await c.first_chunk.wait()
+            faults.cache_not_ready_at[faults.num_steps + 2] = {"r3"}
+            for c in consumers:
+                await c.done.wait()
+            assert engine.state is EngineState.RUNNING
+            engine.stop()
+    assert consumers[3].finish_reason == "error"
+    assert "cache not ready" in (consumers[3].chunks[-1].error or "").lower()
+    for i, c in enumerate(consumers):
+        if i != 3:
+            assert c.finish_reason == "length" and c.token_ids == want[i]
