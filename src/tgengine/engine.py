@@ -106,6 +106,7 @@ class Engine:
             self._die(cause)
             raise EngineDeadError(f"{type(cause).__name__}: {cause}") from cause
         finally:
+            self._sleeping_tags.clear()  # nothing is resident, and nothing will wake up
             if self._state is not S.DEAD:
                 self._end_all("abort")
                 self._state = S.STOPPED
@@ -283,20 +284,20 @@ class Engine:
         """Pause (``mode``), then release memory; returns once it is really released.
 
         Level 1 drops the KV cache and offloads the weights to host memory; level 2 drops
-        both. No-op when already asleep (except that level 2 drops offloaded weights).
+        both. Asleep already: releases what a partial wakeup made resident again, and
+        level 2 also drops weights that level 1 had offloaded; otherwise a no-op.
         """
         if level not in (1, 2):
             raise InvalidRequestError("level", f"must be 1 or 2, got {level!r}")
         if mode not in ("abort", "drain"):
             raise InvalidRequestError("mode", f"must be 'abort' or 'drain', got {mode!r}")
         async with self._control_lock:
-            if self._state is S.SLEEPING:
-                if level == 2:
-                    await self._executor.sleep(2)
-                return
-            self._require("sleep", S.RUNNING, S.PAUSED)
-            self._resume_state = self._state
-            await self._pause_locked(mode)
+            if self._state is not S.SLEEPING:
+                self._require("sleep", S.RUNNING, S.PAUSED)
+                self._resume_state = self._state
+                await self._pause_locked(mode)
+            elif self._sleeping_tags == set(MEMORY_TAGS) and level == 1:
+                return  # already asleep
             async with self._loop.step_lock:
                 await self._executor.sleep(level)
                 self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)
