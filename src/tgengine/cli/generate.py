@@ -13,6 +13,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import TGEngineError
 from ..sampling import SamplingParams
+from ..state import EngineState
 from ..tokenizer import chat_prompt
 from .common import add_engine_options, engine_config, fail
 from .signals import stop_on_signals
@@ -67,12 +68,13 @@ async def _generate(config: EngineConfig, args: argparse.Namespace, params: Samp
     engine = Engine(config)
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
             tg.start_soon(stop_on_signals, engine, tg.cancel_scope, args.grace)
+            await tg.start(engine.run)
             prompt = args.prompt
             if args.chat:
                 prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": prompt}])
-            await _stream(engine, prompt, params)
+            if engine.state is EngineState.RUNNING:  # not stopped by a signal while loading
+                await _stream(engine, prompt, params)
             tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:
