@@ -95,3 +95,28 @@ async def test_cache_not_ready_fails_one_request_only(tiny_llama_dir: Path) -> N
     for i, c in enumerate(consumers):
         if i != 3:
             assert c.finish_reason == "length" and c.token_ids == want[i]
+
+
+async def test_a_failing_cleanup_never_hides_the_fault(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tgengine.model_agent import ModelAgent
+
+    def broken_release(self: ModelAgent) -> None:
+        raise RuntimeError("release failed")
+
+    monkeypatch.setattr(ModelAgent, "_release_all", broken_release)
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    boom = Boom("the original fault")
+    consumer = Consumer(engine, PROMPTS[0], greedy(10_000))
+    with anyio.fail_after(TIMEOUT):
+        with pytest.RaisesGroup(EngineDeadError) as info:
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                tg.start_soon(consumer.run)
+                await consumer.first_chunk.wait()
+                faults.raise_at[faults.num_steps + 1] = boom
+                await anyio.sleep_forever()
+    assert info.value.exceptions[0].__cause__ is boom
+    assert consumer.finish_reason == "error"

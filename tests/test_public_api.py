@@ -1,0 +1,87 @@
+"""The public names are a contract (DESIGN.md §2): pin them, their errors and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+import tgengine
+from tgengine import (
+    CacheNotReadyError,
+    EngineConfig,
+    EngineDeadError,
+    EngineSleepingError,
+    EngineStoppedError,
+    InvalidRequestError,
+    SamplingParams,
+    TGEngineError,
+)
+
+PUBLIC = {
+    "CacheNotReadyError",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EnginePausedError",
+    "EngineSleepingError",
+    "EngineState",
+    "EngineStats",
+    "EngineStoppedError",
+    "IllegalStateError",
+    "InvalidRequestError",
+    "MemoryStats",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+    "TGEngineError",
+    "open_engine",
+}
+
+
+def test_public_names_are_pinned() -> None:
+    assert set(tgengine.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(tgengine, name) is not None
+
+
+def test_error_tree() -> None:
+    for error in (
+        EngineSleepingError,
+        EngineStoppedError,
+        EngineDeadError,
+        CacheNotReadyError,
+        InvalidRequestError,
+    ):
+        assert issubclass(error, TGEngineError)
+    assert issubclass(InvalidRequestError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("block_size", {"block_size": 0}),
+        ("dtype", {"dtype": "int8"}),
+        ("when_asleep", {"when_asleep": "later"}),
+        ("step_timeout", {"step_timeout": -1.0}),
+        ("max_num_seqs", {"max_num_seqs": 0}),
+    ],
+)
+def test_engine_config_names_the_bad_field(field: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("max_tokens", {"max_tokens": 0}),
+        ("temperature", {"temperature": float("nan")}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_k", {"top_k": -1}),
+        ("seed", {"seed": -3}),
+        ("stop", {"stop": ("",)}),
+    ],
+)
+def test_sampling_params_name_the_bad_field(field: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field
