@@ -1,0 +1,118 @@
+"""``python -m tgengine serve``: the OpenAI-compatible HTTP server on Hypercorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+import anyio
+import anyio.abc
+
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import TGEngineError
+from ..server import Server, ServerConfig
+from ..server.context import served_name
+from .common import add_engine_options, engine_config, fail
+from .signals import stop_on_signals
+
+DEFAULTS = ServerConfig()
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve the model over an OpenAI-compatible HTTP API (FastAPI on "
+        "Hypercorn). Prints the URL once it can serve. SIGINT/SIGTERM: stop admitting "
+        "(503), let running requests finish for --shutdown-grace seconds, abort the rest, "
+        "exit 0; a second signal stops at once.",
+    )
+    add_engine_options(parser)
+    parser.add_argument("--host", default=DEFAULTS.host, help="default: %(default)s")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULTS.port, help="0 = a free port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model's name in the API (default: the directory name)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TGENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route (env: TGENGINE_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("TGENGINE_ADMIN_KEY"),
+        help="enable the management routes, guarded by this key (env: TGENGINE_ADMIN_KEY)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULTS.max_body_bytes,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--health-stall-seconds",
+        type=float,
+        default=DEFAULTS.health_stall_seconds,
+        help="/health is 503 when work waits this long without a step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds running requests get after a signal (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="largest batch (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--when-asleep",
+        default="reject",
+        choices=["reject", "wait"],
+        help="requests while asleep: 503, or hold them until wakeup (default: %(default)s)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = engine_config(args, max_num_seqs=args.max_num_seqs, when_asleep=args.when_asleep)
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or None,
+            admin_key=args.admin_key or None,
+            max_body_bytes=args.max_body_bytes,
+            health_stall_seconds=args.health_stall_seconds,
+        )
+        anyio.run(partial(_serve, config, server_config, args.shutdown_grace), backend=args.backend)
+    except (TGEngineError, ValueError, OSError) as exc:
+        return fail(exc)
+    return 0
+
+
+async def _serve(config: EngineConfig, server_config: ServerConfig, grace: float) -> None:
+    engine = Engine(config)
+    server = Server(engine, server_config)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_on_signals, engine, tg.cancel_scope, grace)
+
+            async def run_engine(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+                await engine.run(task_status=task_status)
+                tg.cancel_scope.cancel()  # stopped and drained: the server goes too
+
+            await tg.start(run_engine)
+            await tg.start(server.run)
+            name = server_config.served_model_name or served_name(config.model)
+            print(f"tgengine: serving {name!r} at {server.url}", flush=True)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from group.exceptions[0].__cause__
+        raise
+    print("tgengine: stopped", file=sys.stderr, flush=True)

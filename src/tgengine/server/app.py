@@ -1,0 +1,108 @@
+"""``create_app``: the FastAPI app for one Engine, with ``/health`` and ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Security
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+
+from .. import __version__
+from ..engine import Engine
+from .admin_routes import ADMIN_PATHS, admin_router
+from .config import ServerConfig
+from .context import ServerContext
+from .errors import install_error_handlers
+from .middleware import AuthMiddleware, BodyLimitMiddleware
+from .openai_routes import ERRORS, openai_router
+from .protocol import HealthResponse
+
+DESCRIPTION = """\
+An OpenAI-compatible server for one tgengine Engine. Every error body is
+`{"error": {"message", "type", "param", "code"}}`. With an API key, every route needs
+`Authorization: Bearer <key>`; the management routes exist only with an admin key and
+accept only that key.
+"""
+
+
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving ``engine`` (which must be started before requests arrive)."""
+    config = config or ServerConfig()
+    ctx = ServerContext.build(engine, config)
+    app = FastAPI(title="tgengine", version=__version__, description=DESCRIPTION)
+    app.state.ctx = ctx
+    install_error_handlers(app, config.retry_after_seconds)
+    api_security = [Security(HTTPBearer(auto_error=False, scheme_name="api_key"))]
+    admin_security = [Security(HTTPBearer(auto_error=False, scheme_name="admin_key"))]
+    api_deps = api_security if config.api_key else []
+    app.include_router(openai_router(ctx), dependencies=api_deps)
+    app.include_router(status_router(ctx), dependencies=api_deps)
+    if config.admin_key:
+        app.include_router(admin_router(ctx), dependencies=admin_security)
+    app.openapi = _accurate_openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        AuthMiddleware,
+        api_key=config.api_key,
+        admin_key=config.admin_key,
+        admin_paths=ADMIN_PATHS,
+    )
+    return app
+
+
+def _accurate_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema, less what this server never answers: 422 (invalid input is a
+    400 here) everywhere, and 401 where no key is required."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+                    if not operation.get("security"):
+                        operation["responses"].pop("401", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def status_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(tags=["status"])
+
+    @router.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={
+            503: {"model": HealthResponse, "description": "Stopping, dead, or stalled."},
+            401: ERRORS[401],
+        },
+    )
+    async def health() -> JSONResponse:
+        """200 while serving and making progress (asleep or paused counts as alive)."""
+        report = ctx.health.check()
+        status = 200 if report.status == "ok" else 503
+        return JSONResponse(report.model_dump(), status_code=status)
+
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition format.",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            },
+            401: ERRORS[401],
+        },
+    )
+    async def metrics() -> Response:
+        """Prometheus metrics, named like vLLM's with the ``tgengine:`` prefix."""
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router

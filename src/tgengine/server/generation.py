@@ -1,0 +1,163 @@
+"""Running one generation for an HTTP request: raced against the client's disconnect.
+
+The response is an ASGI callable that runs the generation and a disconnect watcher in
+one task group; the first to finish cancels the other. Cancelling the generation leaves the
+request's stream, which aborts the request and frees its KV blocks at once — also while
+the request still waits in the queue for its first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..engine import Engine
+from ..errors import InvalidRequestError, TGEngineError
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from ..state import EngineState
+from ..stream import RequestStream
+from .errors import APIError, from_engine_error, unavailable
+from .formatting import Accumulated, Formatter
+from .metrics import ServerMetrics
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class RacedResponse(Response):
+    """Runs ``respond(send)`` and returns as soon as it ends or the client disconnects."""
+
+    def __init__(self, respond: Callable[[Send], Awaitable[None]]) -> None:
+        super().__init__()
+        self._respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            await self._respond(send)
+            tg.cancel_scope.cancel()
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+@dataclass
+class Generation:
+    """One request's generation, as the routes prepared it."""
+
+    engine: Engine
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    formatter: Formatter
+    metrics: ServerMetrics
+    retry_after: int
+    include_usage: bool = False
+
+    def response(self, *, stream: bool) -> Response:
+        return RacedResponse(self.stream if stream else self.complete)
+
+    async def stream(self, send: Send) -> None:
+        """Server-sent events, one per chunk; the last is ``data: [DONE]``."""
+        timer = _Timer(self.metrics)
+        try:
+            outputs = self._admit()
+        except TGEngineError as exc:
+            await self._admission_error(exc).send(send)
+            return
+        acc = Accumulated()
+        async with outputs:  # leaving it early (cancelled: the client left) aborts the request
+            started = False
+            async for out in outputs:
+                if not started:
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
+                    )
+                    for opening in self.formatter.opening():
+                        await _send_event(send, opening)
+                    started = True
+                timer.observe(out)
+                acc.add(out)
+                payload = self.formatter.chunk(out)
+                if payload is not None:
+                    await _send_event(send, payload)
+        if self.include_usage:
+            await _send_event(send, self.formatter.usage_chunk(acc.usage()))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def complete(self, send: Send) -> None:
+        """One JSON body once the request finished."""
+        timer = _Timer(self.metrics)
+        try:
+            outputs = self._admit()
+        except TGEngineError as exc:
+            await self._admission_error(exc).send(send)
+            return
+        acc = Accumulated()
+        async with outputs:
+            async for out in outputs:
+                timer.observe(out)
+                acc.add(out)
+        if acc.finish_reason == "error":
+            await self._failed(acc.error).send(send)
+            return
+        body = self.formatter.whole(acc).model_dump_json().encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _admit(self) -> RequestStream:
+        return self.engine.generate(self.prompt, self.params, request_id=self.request_id)
+
+    def _admission_error(self, exc: TGEngineError) -> APIError:
+        if isinstance(exc, InvalidRequestError):
+            return from_engine_error(exc, self.retry_after)
+        error = from_engine_error(exc, self.retry_after)
+        if error.status != 503:  # e.g. not started yet: unavailable all the same
+            error = unavailable(str(exc), "engine_unavailable", self.retry_after)
+        return error
+
+    def _failed(self, reason: str | None) -> APIError:
+        message = reason or "the request failed inside the engine"
+        if self.engine.state in (EngineState.DEAD, EngineState.STOPPING, EngineState.STOPPED):
+            return unavailable(message, "engine_dead", self.retry_after)
+        return APIError(500, message, type="server_error", code="request_failed")
+
+
+async def _send_event(send: Send, payload: BaseModel) -> None:
+    data = b"data: " + payload.model_dump_json().encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+class _Timer:
+    """Observes time to first token, inter-token latency and end-to-end latency."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = anyio.current_time()
+        self.last_token: float | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        now = anyio.current_time()
+        if out.token_ids:
+            if self.last_token is None:
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                gap = (now - self.last_token) / len(out.token_ids)
+                for _ in out.token_ids:
+                    self.metrics.inter_token_latency.observe(gap)
+            self.last_token = now
+        if out.finished:
+            self.metrics.e2e_request_latency.observe(now - self.arrival)

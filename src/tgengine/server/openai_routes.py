@@ -1,0 +1,160 @@
+"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from ..sampling import SamplingParams
+from ..tokenizer import chat_prompt
+from .context import ServerContext
+from .errors import APIError, invalid
+from .formatting import ChatFormatter, CompletionFormatter, Formatter
+from .generation import Generation
+from .protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+
+try:
+    from jinja2 import TemplateError
+except ImportError:  # pragma: no cover - transformers brings jinja2 for chat templates
+    TemplateError = ValueError  # type: ignore[misc,assignment]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
+    401: {"model": ErrorResponse, "description": "Missing or incorrect API key."},
+    404: {"model": ErrorResponse, "description": "Unknown model."},
+    413: {"model": ErrorResponse, "description": "Request body too large."},
+    500: {"model": ErrorResponse, "description": "The request failed inside the engine."},
+    503: {
+        "model": ErrorResponse,
+        "description": "Engine asleep, paused (abort), stopping or dead; see Retry-After.",
+    },
+}
+
+
+def _sse(chunk: type) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "description": "JSON, or with `stream: true` server-sent events: one "
+            f"`data: <{chunk.__name__} JSON>` per chunk, then `data: [DONE]`.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+
+
+def openai_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["openai"])
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=ctx.model_name, created=ctx.created, max_model_len=ctx.engine.max_model_len
+        )
+
+    @router.get("/models", response_model=ModelList, responses={401: ERRORS[401]})
+    async def list_models() -> ModelList:
+        """The one model this server serves."""
+        return ModelList(data=[model_card()])
+
+    @router.get(
+        "/models/{model:path}",
+        response_model=ModelCard,
+        responses={k: ERRORS[k] for k in (401, 404)},
+    )
+    async def retrieve_model(model: str) -> ModelCard:
+        """The served model, by name; 404 for any other name."""
+        _check_model(ctx, model)
+        return model_card()
+
+    @router.post(
+        "/completions",
+        response_model=CompletionResponse,
+        responses={**ERRORS, **_sse(CompletionResponse)},
+    )
+    async def completions(body: CompletionRequest) -> Response:
+        """Complete a prompt (a string or token ids)."""
+        _check_model(ctx, body.model)
+        params = _sampling_params(body, body.max_tokens or 16, logprobs=body.logprobs is not None)
+        formatter = CompletionFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
+        return _generation(ctx, body, body.prompt, params, formatter)
+
+    @router.post(
+        "/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**ERRORS, **_sse(ChatCompletionChunk)},
+    )
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        """Answer a conversation, rendered with the tokenizer's chat template."""
+        _check_model(ctx, body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = chat_prompt(ctx.engine.tokenizer, messages)
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise invalid("messages", f"messages: cannot apply the chat template: {exc}") from exc
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
+        params = _sampling_params(body, max_tokens, logprobs=bool(body.logprobs))
+        formatter = ChatFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
+        return _generation(ctx, body, prompt, params, formatter)
+
+    return router
+
+
+def _check_model(ctx: ServerContext, model: str) -> None:
+    if model != ctx.model_name:
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    return SamplingParams(  # raises InvalidRequestError (→ 400) naming the field
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=top_k,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+    )
+
+
+def _generation(
+    ctx: ServerContext,
+    body: SamplingFields,
+    prompt: str | list[int] | list[str] | list[list[int]],
+    params: SamplingParams,
+    formatter: Formatter,
+) -> Response:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise invalid("prompt", "prompt: batches of prompts are not supported")
+    generation = Generation(
+        engine=ctx.engine,
+        prompt=prompt,  # type: ignore[arg-type]  # narrowed above
+        params=params,
+        request_id=getattr(formatter, "id", None) or uuid.uuid4().hex,
+        formatter=formatter,
+        metrics=ctx.metrics,
+        retry_after=ctx.config.retry_after_seconds,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+    return generation.response(stream=bool(body.stream))

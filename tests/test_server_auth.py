@@ -1,0 +1,81 @@
+"""API and admin keys: 401 on every route without the key; management takes only the admin key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import openai
+import pytest
+
+from server_helpers import (
+    ADMIN_KEY,
+    API_KEY,
+    MODEL,
+    TIMEOUT,
+    assert_error_body,
+    completion_body,
+    running_server,
+)
+from tgengine.server.admin_routes import ADMIN_PATHS
+
+pytestmark = pytest.mark.anyio
+
+EXTRA_ROUTES = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+
+
+async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with running_server(tiny_llama_dir, api_key=API_KEY, admin_key=ADMIN_KEY) as running:
+            async with (
+                running.client() as anonymous,
+                running.client("wrong-key") as wrong,
+                running.client(API_KEY) as user,
+                running.client(ADMIN_KEY) as admin,
+            ):
+                schema = (await user.get("/openapi.json")).json()
+                routes = [
+                    (method.upper(), path.replace("{model}", MODEL))
+                    for path, operations in schema["paths"].items()
+                    for method in operations
+                ]
+                assert {path for _, path in routes} >= set(ADMIN_PATHS)
+                for method, path in routes + EXTRA_ROUTES:
+                    for client in (anonymous, wrong):
+                        response = await client.request(method, path)
+                        error = assert_error_body(response, 401)
+                        assert error["code"] == "invalid_api_key"
+                        assert response.headers["WWW-Authenticate"] == "Bearer"
+                    if path in ADMIN_PATHS:  # the API key does not open management routes
+                        assert_error_body(await user.request(method, path), 401)
+
+                assert (await user.get("/v1/models")).status_code == 200
+                assert (await user.get("/health")).status_code == 200
+                assert (await admin.get("/v1/models")).status_code == 200
+                assert (await admin.get("/is_sleeping")).json() == {"is_sleeping": False}
+                assert (await admin.post("/resume")).status_code == 200
+                posted = await user.post("/v1/completions", json=completion_body())
+                assert posted.status_code == 200
+
+                async with openai.AsyncOpenAI(
+                    base_url=f"{running.url}/v1", api_key="wrong-key", max_retries=0
+                ) as client:
+                    with pytest.raises(openai.AuthenticationError):
+                        await client.models.list()
+
+
+async def test_management_routes_exist_only_with_an_admin_key(tiny_llama_dir: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with running_server(tiny_llama_dir, api_key=API_KEY) as running:
+            async with running.client(API_KEY) as user:
+                for path in ADMIN_PATHS:
+                    assert_error_body(await user.post(path), 404)
+                    assert_error_body(await user.get(path), 404)
+                schema = (await user.get("/openapi.json")).json()
+        assert not set(schema["paths"]) & set(ADMIN_PATHS)
+
+        async with running_server(tiny_llama_dir, admin_key=ADMIN_KEY) as running:
+            async with running.client() as anonymous, running.client(ADMIN_KEY) as admin:
+                assert (await anonymous.post("/v1/completions", json=completion_body())).is_success
+                assert_error_body(await anonymous.post("/sleep"), 401)
+                assert (await admin.get("/is_sleeping")).status_code == 200

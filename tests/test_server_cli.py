@@ -1,0 +1,90 @@
+"""``python -m tgengine serve`` as a real subprocess: URL, serving, SIGTERM drain, exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from server_helpers import assert_error_body, completion_body, parse_sse, stream_lines
+from tgengine.cli.main import build_parser
+
+from model_factory import make_tiny_model_dir
+
+TIMEOUT = 90
+RUNNER = [sys.executable, "-m", "tgengine"]
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose context is long enough that one request outlives the grace."""
+    path = tmp_path_factory.mktemp("serve-long-context")
+    return make_tiny_model_dir(path, arch="llama", max_position_embeddings=1_000_000)
+
+
+def test_serve_help_lists_the_options() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = commands.choices["serve"].format_help()
+    for option in ("--model", "--host", "--port", "--backend", "--api-key", "--admin-key",
+                   "--shutdown-grace", "--served-model-name", "--max-body-bytes"):  # fmt: skip
+        assert option in text
+
+
+@pytest.mark.anyio
+async def test_sigterm_drains_then_aborts_then_exits_0(
+    long_context_dir: Path, anyio_backend: str
+) -> None:
+    command = [*RUNNER, "serve", "--model", str(long_context_dir), "--port", "0",
+               "--backend", anyio_backend, "--served-model-name", "tiny", "--dtype", "float32",
+               "--shutdown-grace", "2"]  # fmt: skip
+    with anyio.fail_after(TIMEOUT):
+        async with await anyio.open_process(command) as process:
+            assert process.stdout is not None and process.stderr is not None
+            out = b""
+            while not re.search(rb"http://\S+\n", out):
+                out += await process.stdout.receive()
+            url = re.search(rb"(http://\S+)\n", out)
+            assert url is not None
+            async with httpx.AsyncClient(base_url=url.group(1).decode(), timeout=30) as http:
+                ready = (await http.get("/health")).json()
+                started = [anyio.Event(), anyio.Event()]
+                results: list[tuple[int, list[str]]] = [(0, []), (0, [])]
+
+                async def consume(i: int, max_tokens: int) -> None:
+                    body = completion_body(max_tokens=max_tokens, ignore_eos=True, stream=True)
+                    lines = await stream_lines(http, "/v1/completions", body, started[i].set)
+                    results[i] = lines
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(consume, 0, 6)  # finishes within the grace
+                    tg.start_soon(consume, 1, 10**6)  # cannot: aborted when the grace ends
+                    for event in started:
+                        await event.wait()
+                    process.send_signal(signal.SIGTERM)
+                    stderr = b""
+                    while b"stopping" not in stderr:
+                        stderr += await process.stderr.receive()
+                    refused = await http.post("/v1/completions", json=completion_body())
+                    health = await http.get("/health")
+            async for data in process.stderr:
+                stderr += data
+            code = await process.wait()
+
+    assert ready["status"] == "ok"
+    assert code == 0, stderr.decode()
+    error = assert_error_body(refused, 503)
+    assert error["code"] == "engine_stopped" and refused.headers["Retry-After"]
+    assert health.status_code == 503
+    reasons = []
+    for status, lines in results:
+        events, done = parse_sse(lines)
+        assert status == 200 and done
+        reasons.append(events[-1]["choices"][0]["finish_reason"])
+    assert reasons == ["length", "abort"]
