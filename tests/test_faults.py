@@ -120,3 +120,27 @@ async def test_a_failing_cleanup_never_hides_the_fault(
                 await anyio.sleep_forever()
     assert info.value.exceptions[0].__cause__ is boom
     assert consumer.finish_reason == "error"
+
+
+async def test_the_event_loop_stays_responsive_during_a_step(tiny_llama_dir: Path) -> None:
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    first = Consumer(engine, PROMPTS[0], greedy(50))
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            faults.hang_at.add(faults.num_steps + 1)
+            tg.start_soon(first.run)
+            await anyio.to_thread.run_sync(faults.hanging.wait)
+            # the step is stuck in its worker thread; the loop still admits and aborts
+            steps = engine.stats().num_steps
+            second = Consumer(engine, PROMPTS[1], greedy(5), request_id="second")
+            tg.start_soon(second.run)
+            await anyio.wait_all_tasks_blocked()
+            engine.abort("second")
+            await second.done.wait()
+            assert second.finish_reason == "abort" and engine.stats().num_steps == steps
+            faults.release()
+            await first.done.wait()
+            engine.stop()
+    assert first.finish_reason == "length"
