@@ -6,7 +6,8 @@
 One process runs the Engine and the Server; the load runs twice in the same run:
 once as ``engine.generate`` calls in that process, once as streaming HTTP requests from a
 client in a separate process (so the client's parsing does not steal the server's event
-loop; on a small machine it still shares the CPUs). Every request is greedy with
+loop; on a small machine it still shares the CPUs: the table shows the CPU seconds of
+the server process and of the client process per run). Every request is greedy with
 ``ignore_eos`` and the same ``max_tokens``, and each run uses its own prompts (no prefix
 cache reuse across runs). Prints requests/s, generated tokens/s, p50/p99 time to first
 token and end-to-end latency, and HTTP/library ratios.
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -24,12 +27,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 import httpx
 
-from tgengine import Engine, EngineConfig, SamplingParams
-from tgengine.server import Server, ServerConfig
+if TYPE_CHECKING:  # the client process must not pay for importing torch
+    from tgengine import Engine
 
 WORDS = (
     "the quick brown fox jumps over the lazy dog while a small engine serves many people".split()
@@ -55,6 +60,8 @@ class Summary:
     ttft_p99: float
     e2e_p50: float
     e2e_p99: float
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
 
 
 def prompt(run: str, i: int) -> str:
@@ -116,6 +123,8 @@ async def run_load(
 
 
 async def library_load(engine: Engine, args: argparse.Namespace, run: str) -> Summary:
+    from tgengine import SamplingParams
+
     samples: list[Sample] = []
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -130,28 +139,82 @@ async def library_load(engine: Engine, args: argparse.Namespace, run: str) -> Su
         end = time.perf_counter()
         samples.append(Sample((first or end) - start, end - start, tokens))
 
+    cpu = time.process_time()
     seconds, failed = await run_load(args.requests, args.concurrency, one)
-    return summarize("library", samples, failed, seconds)
+    summary = summarize("library", samples, failed, seconds)
+    summary.server_cpu_s = time.process_time() - cpu
+    return summary
 
 
 # -- the HTTP side (in a client process) -------------------------------------------------
 
 
+def request_body(args: argparse.Namespace, i: int) -> dict[str, object]:
+    return {
+        "model": args.model_name,
+        "prompt": prompt(args.run, i),
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def raw_http_load(args: argparse.Namespace) -> Summary:
+    """A minimal keep-alive HTTP/1.1 client (one connection per concurrent client) that only
+    looks for the first event, ``[DONE]`` and the usage: it costs far less CPU than httpx,
+    so on a small machine the numbers measure the server rather than the client."""
+    samples: list[Sample] = []
+    url = httpx.URL(args.client)
+    pool_send, pool_receive = anyio.create_memory_object_stream[anyio.abc.ByteStream](
+        args.concurrency
+    )
+    for _ in range(args.concurrency):
+        pool_send.send_nowait(await anyio.connect_tcp(url.host, url.port or 80))
+
+    async def one(i: int) -> None:
+        data = json.dumps(request_body(args, i)).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        stream = await pool_receive.receive()
+        try:
+            start = time.perf_counter()
+            await stream.send(head.encode() + data)
+            buffer = b""
+            first = None
+            while not (b"data: [DONE]" in buffer and buffer.endswith(b"0\r\n\r\n")):
+                buffer += await stream.receive()
+                if first is None and b"data: {" in buffer:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+        finally:
+            pool_send.send_nowait(stream)
+        if not buffer.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(buffer[:200].decode(errors="replace"))
+        usage = re.search(rb'"completion_tokens":(\d+)', buffer)
+        tokens = int(usage.group(1)) if usage else 0
+        samples.append(Sample((first or end) - start, end - start, tokens))
+
+    seconds, failed = await run_load(args.requests, args.concurrency, one)
+    while True:
+        try:
+            await pool_receive.receive_nowait().aclose()
+        except anyio.WouldBlock:
+            break
+    return summarize("http", samples, failed, seconds)
+
+
 async def http_load(args: argparse.Namespace) -> Summary:
+    """The same load with httpx (what most Python clients use; heavier on the client)."""
     samples: list[Sample] = []
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.client, limits=limits, timeout=None) as http:
 
         async def one(i: int) -> None:
-            body = {
-                "model": args.model_name,
-                "prompt": prompt(args.run, i),
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = request_body(args, i)
             start = time.perf_counter()
             first = None
             tokens = 0
@@ -189,20 +252,34 @@ async def http_in_subprocess(url: str, args: argparse.Namespace, run: str) -> Su
         str(args.concurrency),
         "--max-tokens",
         str(args.max_tokens),
+        "--client-kind",
+        args.client_kind,
     ]
+    cpu = time.process_time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = await anyio.run_process(command, stderr=subprocess.PIPE)
-    return Summary(**json.loads(result.stdout))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    summary = Summary(**json.loads(result.stdout))
+    summary.server_cpu_s = time.process_time() - cpu
+    summary.client_cpu_s = (after.ru_utime + after.ru_stime) - (
+        children.ru_utime + children.ru_stime
+    )
+    return summary
 
 
 # -- the server process ------------------------------------------------------------------
 
 
 async def bench(args: argparse.Namespace, model: str) -> list[Summary]:
+    from tgengine import Engine, EngineConfig, SamplingParams
+    from tgengine.server import Server, ServerConfig
+
     config = EngineConfig(
         model=model,
         dtype=args.dtype,
         max_num_seqs=max(args.concurrency, 1),
         enable_prefix_caching=False,
+        num_threads=args.num_threads,
         **({"num_blocks": args.num_blocks} if args.num_blocks else {}),
     )
     engine = Engine(config)
@@ -225,16 +302,20 @@ async def bench(args: argparse.Namespace, model: str) -> list[Summary]:
 def report(results: list[Summary], args: argparse.Namespace, model: str) -> None:
     print(
         f"model={model} requests={args.requests} concurrency={args.concurrency} "
-        f"max_tokens={args.max_tokens} backend={args.backend} rounds={args.rounds}"
+        f"max_tokens={args.max_tokens} backend={args.backend} rounds={args.rounds} "
+        f"num_threads={args.num_threads} client={args.client_kind}"
     )
-    header = "| run | ok | failed | s | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms |"
+    header = (
+        "| run | ok | failed | s | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms "
+        "| server CPU s | client CPU s |"
+    )
     print(header)
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 11)
     for s in results:
         print(
             f"| {s.label} | {s.requests} | {s.failed} | {s.seconds:.2f} | {s.requests_per_s:.1f} "
             f"| {s.tokens_per_s:.0f} | {s.ttft_p50 * 1e3:.0f} | {s.ttft_p99 * 1e3:.0f} "
-            f"| {s.e2e_p50 * 1e3:.0f} |"
+            f"| {s.e2e_p50 * 1e3:.0f} | {s.server_cpu_s:.1f} | {s.client_cpu_s:.1f} |"
         )
     lib = [s for s in results if s.label == "library"]
     http = [s for s in results if s.label == "http"]
@@ -257,18 +338,26 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama (tests')")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--num-threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="library/HTTP pairs to run")
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument(
+        "--client-kind",
+        default="raw",
+        choices=["raw", "httpx"],
+        help="raw: a minimal HTTP/1.1 client; httpx: httpx.AsyncClient (default: %(default)s)",
+    )
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--run", default="H", help=argparse.SUPPRESS)
     parser.add_argument("--model-name", default="bench", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.client:  # the client process
-        summary = anyio.run(http_load, args)
+        load = raw_http_load if args.client_kind == "raw" else http_load
+        summary = anyio.run(load, args)
         print(json.dumps(asdict(summary)))
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,7 +43,7 @@ async def test_sigterm_drains_then_aborts_then_exits_0(
 ) -> None:
     command = [*RUNNER, "serve", "--model", str(long_context_dir), "--port", "0",
                "--backend", anyio_backend, "--served-model-name", "tiny", "--dtype", "float32",
-               "--shutdown-grace", "2"]  # fmt: skip
+               "--shutdown-grace", "4"]  # fmt: skip
     with anyio.fail_after(TIMEOUT):
         async with await anyio.open_process(command) as process:
             assert process.stdout is not None and process.stderr is not None

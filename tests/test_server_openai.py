@@ -9,7 +9,7 @@ import anyio
 import openai
 import pytest
 
-from server_helpers import API_KEY, MODEL, TIMEOUT, running_server
+from server_helpers import API_KEY, MODEL, TIMEOUT, assert_error_body, running_server
 from tgengine import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -162,3 +162,44 @@ async def test_logprobs_seed_stop_and_max_completion_tokens(tiny_llama_dir: Path
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def test_invalid_requests_are_400s_naming_the_field(tiny_llama_dir: Path) -> None:
+    long_prompt = list(range(3, 300)) * 2  # longer than the tiny model's 512 positions
+    cases: list[tuple[str, dict[str, Any], str | None]] = [
+        ("/v1/completions", {"prompt": long_prompt}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi " * 600}]},
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
+        ("/v1/completions", {"prompt": [1, -5]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            "messages.0.role",
+        ),
+    ]
+    with anyio.fail_after(TIMEOUT):
+        async with running_server(tiny_llama_dir, max_body_bytes=4096) as running:
+            async with running.client() as http:
+                for path, fields, param in cases:
+                    response = await http.post(path, json={"model": MODEL, **fields})
+                    error = assert_error_body(response, 400)
+                    assert error["param"] == param, (fields, error)
+                too_big = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "a" * 5000}
+                )
+                assert assert_error_body(too_big, 413)["code"] == "request_too_large"
+            async with async_client(running.url) as client:
+                with pytest.raises(openai.BadRequestError) as bad:
+                    await client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert bad.value.status_code == 400 and "temperature" in str(bad.value)

@@ -21,6 +21,10 @@ class ServerContext:
     health: HealthMonitor
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def retry_after(self) -> int:
+        return self.config.retry_after_seconds
+
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerContext:
         name = config.served_model_name or served_name(engine.config.model)

@@ -33,15 +33,20 @@ UNLIKELY = -9999.0  # what OpenAI reports for a log probability that is -inf
 class Accumulated:
     """Everything one request produced, for the non-streamed body and for usage."""
 
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, out: RequestOutput) -> None:
-        self.text += out.text
+        if out.text:
+            self.pieces.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens

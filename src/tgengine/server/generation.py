@@ -65,6 +65,7 @@ class Generation:
     metrics: ServerMetrics
     retry_after: int
     include_usage: bool = False
+    prompt_param: str = "prompt"  # what the client called the prompt ("messages" for chat)
 
     def response(self, *, stream: bool) -> Response:
         return RacedResponse(self.stream if stream else self.complete)
@@ -122,9 +123,11 @@ class Generation:
         return self.engine.generate(self.prompt, self.params, request_id=self.request_id)
 
     def _admission_error(self, exc: TGEngineError) -> APIError:
-        if isinstance(exc, InvalidRequestError):
-            return from_engine_error(exc, self.retry_after)
         error = from_engine_error(exc, self.retry_after)
+        if isinstance(exc, InvalidRequestError):
+            if exc.field == "prompt":
+                error.param = self.prompt_param
+            return error
         if error.status != 503:  # e.g. not started yet: unavailable all the same
             error = unavailable(str(exc), "engine_unavailable", self.retry_after)
         return error

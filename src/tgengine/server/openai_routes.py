@@ -11,7 +11,7 @@ from starlette.responses import Response
 from ..sampling import SamplingParams
 from ..tokenizer import chat_prompt
 from .context import ServerContext
-from .errors import APIError, invalid
+from .errors import APIError, invalid, unavailable
 from .formatting import ChatFormatter, CompletionFormatter, Formatter
 from .generation import Generation
 from .protocol import (
@@ -97,6 +97,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         """Answer a conversation, rendered with the tokenizer's chat template."""
         _check_model(ctx, body.model)
+        if ctx.engine.tokenizer is None:
+            raise unavailable("the engine has not started", "engine_unavailable", ctx.retry_after)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = chat_prompt(ctx.engine.tokenizer, messages)
@@ -107,7 +109,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
         params = _sampling_params(body, max_tokens, logprobs=bool(body.logprobs))
         formatter = ChatFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
-        return _generation(ctx, body, prompt, params, formatter)
+        return _generation(ctx, body, prompt, params, formatter, prompt_param="messages")
 
     return router
 
@@ -144,6 +146,7 @@ def _generation(
     prompt: str | list[int] | list[str] | list[list[int]],
     params: SamplingParams,
     formatter: Formatter,
+    prompt_param: str = "prompt",
 ) -> Response:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         raise invalid("prompt", "prompt: batches of prompts are not supported")
@@ -156,5 +159,6 @@ def _generation(
         metrics=ctx.metrics,
         retry_after=ctx.config.retry_after_seconds,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        prompt_param=prompt_param,
     )
     return generation.response(stream=bool(body.stream))
