@@ -38,6 +38,8 @@ class SamplingParams:
         _check_int("top_k", self.top_k, minimum=0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            if self.seed >= 2**63:  # torch.Generator takes a signed 64-bit seed
+                raise InvalidRequestError("seed", f"must be < 2**63, got {self.seed}")
         if not _is_real(self.temperature) or not self.temperature >= 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
