@@ -3,6 +3,10 @@
 ``kv`` has shape ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``; index 0
 of the second axis holds keys, 1 values. A token's KV lives at the flat slot
 ``block_id * block_size + offset`` of every layer.
+
+The memory underneath is head-major (``[num_layers, 2, num_kv_heads, slots, head_dim]``) and
+``kv`` is a permuted view of it: gathering a sequence's blocks then yields each head's keys
+contiguously, which is the layout the attention matmuls read without another copy.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ class KVCache:
         shape = (
             config.num_layers,
             2,
-            num_blocks * block_size,
             config.num_kv_heads,
+            num_blocks * block_size,
             config.head_dim,
         )
-        return KVCache(kv=torch.zeros(shape, dtype=dtype, device=device), block_size=block_size)
+        heads = torch.zeros(shape, dtype=dtype, device=device)
+        return KVCache(kv=heads.permute(0, 1, 3, 2, 4), block_size=block_size)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -56,7 +61,9 @@ class KVCache:
     def nbytes(self) -> int:
         return int(self.kv.numel() * self.kv.element_size())
 
-    def layer_blocks(self, layer: int) -> torch.Tensor:
-        """Layer ``layer`` viewed as ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
-        kv = self.kv[layer]
-        return kv.view(2, self.num_blocks, self.block_size, kv.shape[-2], kv.shape[-1])
+    def layer_heads(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` as ``[2, num_kv_heads, num_blocks, block_size, head_dim]``, a view."""
+        heads = self.kv[layer].permute(0, 2, 1, 3)
+        if not heads.is_contiguous():
+            raise ValueError("KVCache.kv must be a view of head-major memory (use allocate)")
+        return heads.view(2, heads.shape[1], self.num_blocks, self.block_size, heads.shape[-1])

@@ -8,12 +8,16 @@ float32 logits for ``inputs.logits_rows`` only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tgengine.models.attention import paged_attention, write_kv
+from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
 from tgengine.models.config import ModelConfig
+from tgengine.models.fused import fused_rows
+from tgengine.models.gemm import Gemm
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.rope import RotaryEmbedding, apply_rotary
@@ -33,6 +37,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+@dataclass
+class StepContext:
+    """What every layer reads during one forward, besides its hidden states."""
+
+    inputs: ForwardInputs
+    plan: AttentionPlan
+    kv_cache: KVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    gemm: Gemm
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,7 +56,6 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         bias = config.attention_bias
@@ -49,25 +64,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        inputs: ForwardInputs,
-        kv_cache: KVCache,
-        layer: int,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        write_kv(kv_cache.kv[layer], inputs.slot_mapping, k, v)
-        blocks = kv_cache.layer_blocks(layer)
-        out = paged_attention(q, k, v, blocks, inputs, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        # One GEMM for q, k and v: their weights are row blocks of one buffer.
+        weight = fused_rows([p.weight for p in projs])
+        bias = fused_rows([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        qkv = step.gemm.linear(x, weight, bias).view(rows, -1, self.head_dim)
+        # Queries and keys rotate in one go; values are the last kv heads, unrotated.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], step.cos, step.sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        blocks = step.kv_cache.layer_heads(layer)
+        write_kv(blocks, step.inputs.slot_mapping, k, v)
+        out = paged_attention(q, k, v, blocks, step.plan, self.scale)
+        return step.gemm.linear(out.reshape(rows, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -77,8 +88,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
+        gate_up = gemm.linear(x, fused_rows([self.gate_proj.weight, self.up_proj.weight]))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gemm.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -89,17 +102,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        inputs: ForwardInputs,
-        kv_cache: KVCache,
-        layer: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, inputs, kv_cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, layer)
+        return x + self.mlp(self.post_attention_layernorm(x), step.gemm)
 
 
 class DecoderModel(nn.Module):
@@ -115,6 +120,11 @@ class CausalLM(nn.Module):
 
     Build it (on the ``meta`` device if you like) and fill it with ``load_weights``;
     parameters never require grad. Call ``forward`` under ``torch.inference_mode()``.
+
+    ``gemm`` picks the kernel of each linear product (see ``models.gemm``). Its optional
+    packed-weight cache (``gemm.prepack = True``) is a copy of the weights: whoever changes
+    parameters after loading (in place, or by replacing ``.data``) then calls
+    ``weights_changed()``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -125,7 +135,12 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        self.gemm = Gemm()
         self.requires_grad_(False)
+
+    def weights_changed(self) -> None:
+        """Drop what was derived from the weights (packed copies); call after changing them."""
+        self.gemm.weights_changed()
 
     def forward(self, inputs: ForwardInputs, kv_cache: KVCache) -> torch.Tensor:
         """Float32 logits ``[len(inputs.logits_rows), vocab_size]`` (all rows if it is None).
@@ -135,10 +150,12 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(inputs.input_ids)
         cos, sin = self.rotary.cos_sin(inputs.positions, x.dtype)
+        plan = AttentionPlan.build(inputs, kv_cache.block_size, self.config.sliding_window)
+        step = StepContext(inputs, plan, kv_cache, cos, sin, self.gemm)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, inputs, kv_cache, i)
+            x = layer(x, step, i)
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
         x = self.model.norm(x)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(x, head).float()
+        return self.gemm.linear(x, head).float()

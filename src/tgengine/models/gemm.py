@@ -1,0 +1,72 @@
+"""``Gemm``: the linear layers' matrix products, routed to the fastest CPU kernel for their size.
+
+- One or two rows in bf16/fp16 (batch-1 decode): ATen's GEMV. oneDNN reorders the weight on
+  every call, which dominates a one-row product; the GEMV streams it about twice as fast.
+- 3 to ``PACK_MAX_ROWS`` rows, when ``prepack`` is on: oneDNN with the weight reordered once
+  and cached (1.3-2.4x faster than ``F.linear`` for 8-64 rows). Opt-in, because the cache is a
+  copy of the weights: whoever changes the weights (an update in place, sleep, wakeup) must
+  call ``weights_changed()``, or the cache would keep serving the old ones.
+- Everything else (prefill, float32, other devices): ``F.linear``.
+
+All paths compute the same products; only the kernels differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_MAX_ROWS = 2
+PACK_MAX_ROWS = 128
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _can_prepack() -> bool:
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class Gemm:
+    """Linear products for one model; ``prepack`` (default off) enables the packed-weight cache."""
+
+    def __init__(self) -> None:
+        self.prepack = False
+        self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def weights_changed(self) -> None:
+        """Forget everything derived from the weights; call after changing or replacing them."""
+        self._packed.clear()
+
+    @property
+    def packed_bytes(self) -> int:
+        """Host memory the packed copies take (0 unless ``prepack``)."""
+        return sum(w.numel() * w.element_size() for w in self._packed.values())
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.device.type != "cpu" or x.dtype not in _HALF or not torch.backends.mkldnn.enabled:
+            return F.linear(x, weight, bias)
+        if rows <= GEMV_MAX_ROWS:
+            # A process-wide switch: the one thread that runs forwards holds it for one GEMV.
+            torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
+            try:
+                return F.linear(x, weight, bias)
+            finally:
+                torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
+        if self.prepack and rows <= PACK_MAX_ROWS and _can_prepack():
+            packed = self._packed_weight(weight)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape))
+        packed = self._packed.get(key)
+        if packed is None:
+            with torch.inference_mode(False), torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._packed[key] = packed
+        return packed

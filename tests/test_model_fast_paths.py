@@ -1,0 +1,181 @@
+"""The forward's fast paths give the reference's results: grouped decode attention, fused
+q/k/v and gate/up weights that follow every way the engine changes weights, and the GEMM
+kernel choices (GEMV for one row, optional prepacked weights)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tgengine.model_inputs import prepare_inputs
+from tgengine.models import CausalLM, KVCache, load_model, load_model_config
+from tgengine.models import attention as attention_module
+from tgengine.models.fused import fused_rows
+from tgengine.models.gemm import Gemm, _can_prepack
+from tgengine.sampling import SamplingParams
+from tgengine.step import SeqStep
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _prefill_then_decode(model: CausalLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill every prompt in one step, then one decode step of all; the decode logits."""
+    config = model.config
+    cache = KVCache.allocate(config, 128, BLOCK_SIZE, torch.float32, "cpu")
+    blocks = list(range(128))
+    random.Random(0).shuffle(blocks)
+    tables, seqs = [], []
+    for prompt in prompts:
+        table = [blocks.pop() for _ in range(-(-(len(prompt) + 1) // BLOCK_SIZE))]
+        tables.append(table)
+        seqs.append(SeqStep(str(len(seqs)), prompt, 0, table, GREEDY))
+    with torch.inference_mode():
+        logits = model(prepare_inputs(seqs, BLOCK_SIZE, torch.device("cpu")), cache)
+        steps = [
+            SeqStep(str(i), [int(logits[i].argmax())], len(p), tables[i], GREEDY)
+            for i, p in enumerate(prompts)
+        ]
+        for i, step in enumerate(steps):
+            prompts[i] = [*prompts[i], step.token_ids[0]]
+        return model(prepare_inputs(steps, BLOCK_SIZE, torch.device("cpu")), cache)
+
+
+def _reference(model_dir: Path, prompts: list[list[int]]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_decode_in_length_groups_matches_transformers(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, torch.float32, "cpu")
+    lengths = [3, 60, 9, 41, 2, 27, 55, 14]
+    ungrouped = _prefill_then_decode(model, _prompts(config.vocab_size, lengths))
+    monkeypatch.setattr(attention_module, "_GROUP_COST_BLOCKS", 0)
+    prompts = _prompts(config.vocab_size, lengths)
+    grouped = _prefill_then_decode(model, prompts)
+    expected = _reference(model_dir, prompts)
+    torch.testing.assert_close(grouped, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(grouped, ungrouped, atol=1e-5, rtol=0)
+    assert grouped.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_split_by_width_saves_padding_only_when_worth_it() -> None:
+    split = attention_module._split_by_width
+    assert split([3] * 50) == [(0, 50)]
+    groups = split([1] * 40 + [48] * 8)
+    assert groups == [(0, 40), (40, 48)]
+    assert len(split(list(range(1, 257)))) <= attention_module._MAX_GROUPS
+
+
+def test_fused_weights_follow_in_place_updates_and_replacements(tiny_qwen2_dir: Path) -> None:
+    config = load_model_config(tiny_qwen2_dir)
+    model = load_model(config, tiny_qwen2_dir, torch.float32, "cpu")
+    fresh = load_model(config, tiny_qwen2_dir, torch.float32, "cpu")
+    lengths = [5, 11]
+    _prefill_then_decode(model, _prompts(config.vocab_size, lengths))  # fuses
+    attn = model.model.layers[0].self_attn
+    projs = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    storage = {p.untyped_storage().data_ptr() for p in projs}
+    assert len(storage) == 1, "q/k/v share one buffer after a forward"
+
+    # A weight update writes in place through .data, as ModelAgent.update_weights does.
+    new_k = torch.randn_like(attn.k_proj.weight)
+    attn.k_proj.weight.data.copy_(new_k)
+    fresh.model.layers[0].self_attn.k_proj.weight.data.copy_(new_k)
+    rows = attn.q_proj.weight.shape[0]
+    fused = fused_rows(projs)
+    assert torch.equal(fused[rows : rows + new_k.shape[0]], new_k)
+
+    # Sleep empties .data; wakeup (level 2) points it at fresh tensors, then reloads.
+    saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.data = torch.empty(0)
+    for name, p in model.named_parameters():
+        p.data = saved[name].clone()
+    prompts = _prompts(config.vocab_size, lengths)
+    got = _prefill_then_decode(model, prompts)
+    want = _prefill_then_decode(fresh, _prompts(config.vocab_size, lengths))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert len({p.untyped_storage().data_ptr() for p in projs}) == 1
+
+
+def test_gemm_kernels_compute_the_same_products() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    gemm = Gemm()
+    for rows in (1, 2, 8, 200):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        got = gemm.linear(x, weight, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        torch.testing.assert_close(got.float(), expected, atol=0.25, rtol=0.02)
+        assert torch.backends.mkldnn.enabled, "the GEMV path restores oneDNN"
+    x32 = torch.randn(1, 64)
+    assert torch.equal(gemm.linear(x32, weight.float()), F.linear(x32, weight.float()))
+
+
+@pytest.mark.skipif(not _can_prepack(), reason="oneDNN weight prepacking is not available")
+def test_prepacked_weights_are_dropped_when_weights_change() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    gemm = Gemm()
+    gemm.prepack = True
+    first = gemm.linear(x, weight)
+    torch.testing.assert_close(first, F.linear(x, weight), atol=0.05, rtol=0.02)
+    assert gemm.packed_bytes > 0
+    weight.copy_(torch.randn(96, 64).to(torch.bfloat16))
+    gemm.weights_changed()
+    assert gemm.packed_bytes == 0
+    torch.testing.assert_close(gemm.linear(x, weight), F.linear(x, weight), atol=0.05, rtol=0.02)
+
+
+def test_kv_cache_is_head_major_underneath(tiny_llama_dir: Path) -> None:
+    config = load_model_config(tiny_llama_dir)
+    cache = KVCache.allocate(config, 6, BLOCK_SIZE, torch.float32, "cpu")
+    heads = cache.layer_heads(1)
+    assert heads.shape == (2, config.num_kv_heads, 6, BLOCK_SIZE, config.head_dim)
+    assert heads.is_contiguous()
+    heads[1, 0, 2, 3] = 7.0  # values, kv head 0, block 2, offset 3
+    assert torch.equal(cache.kv[1, 1, 2 * BLOCK_SIZE + 3, 0], torch.full((config.head_dim,), 7.0))
+
+
+def test_plan_splits_decode_rows_by_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tgengine.models.inputs import ForwardInputs
+
+    lens = torch.tensor([4, 61, 10, 42, 3, 28, 56, 15])
+    inputs = ForwardInputs(
+        input_ids=torch.zeros(8, dtype=torch.long),
+        positions=lens - 1,
+        slot_mapping=torch.zeros(8, dtype=torch.long),
+        decode_rows=torch.arange(8),
+        decode_block_tables=torch.zeros(8, 16, dtype=torch.long),
+        decode_context_lens=lens,
+    )
+    single = attention_module.AttentionPlan.build(inputs, BLOCK_SIZE, None)
+    assert len(single.decodes) == 1 and single.decode_only
+    monkeypatch.setattr(attention_module, "_GROUP_COST_BLOCKS", 0)
+    plan = attention_module.AttentionPlan.build(inputs, BLOCK_SIZE, None)
+    assert len(plan.decodes) > 1 and not plan.decode_only
+    rows = sorted(r for d in plan.decodes for r in d.rows.tolist())
+    assert rows == list(range(8))
+    for d in plan.decodes:  # each group is padded only to its own longest sequence
+        assert d.width == max(-(-int(n) // BLOCK_SIZE) for n in lens[d.rows])
