@@ -1,0 +1,220 @@
+"""Driving tgengine through its public API for the benches, and timing what it does."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from tqdm import tqdm
+
+from ..config import EngineConfig
+from ..engine import Engine
+from ..sampling import SamplingParams
+from .workload import BenchRequest
+
+
+def engine_config(
+    model: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    *,
+    kv_cache_memory: int | None = None,
+    max_num_seqs: int = 256,
+    max_model_len: int | None = None,
+) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        num_threads=threads if device == "cpu" or device.startswith("cpu") else None,
+        kv_cache_memory=kv_cache_memory,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class StreamTiming:
+    """One request as its consumer saw it: when it was submitted and when each token came."""
+
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.submitted if self.token_times else None
+
+    @property
+    def inter_token(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+async def stream_one(
+    engine: Engine, request: BenchRequest, on_token: Callable[[int], None] | None = None
+) -> StreamTiming:
+    timing = StreamTiming(time.perf_counter())
+    async for chunk in engine.generate(request.prompt, greedy(request.max_tokens)):
+        if chunk.token_ids:
+            now = time.perf_counter()
+            timing.token_times.extend([now] * len(chunk.token_ids))
+            if on_token is not None:
+                on_token(len(chunk.token_ids))
+        timing.finish_reason = chunk.finish_reason
+    return timing
+
+
+async def run_all(
+    engine: Engine, requests: list[BenchRequest], *, desc: str = "tgengine", progress: bool = True
+) -> tuple[float, list[StreamTiming]]:
+    """Submit every request at once; the wall time until the last finished, and each timing."""
+    timings: list[StreamTiming | None] = [None] * len(requests)
+    total = sum(r.max_tokens for r in requests)
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
+
+    async def one(i: int) -> None:
+        timings[i] = await stream_one(engine, requests[i], bar.update)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    wall = time.perf_counter() - start
+    bar.close()
+    return wall, [t for t in timings if t is not None]
+
+
+async def warm_up(engine: Engine) -> None:
+    """A few short requests, so that one-time costs (first allocations) are not timed."""
+    await stream_one(engine, BenchRequest(list(range(16, 48)), 4))
+    await run_all(
+        engine, [BenchRequest(list(range(16, 16 + n)), 3) for n in (8, 24)], progress=False
+    )
+
+
+def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    if not values:
+        return {f"p{p}": 0.0 for p in points} | {"mean": 0.0}
+    ordered = sorted(values)
+    result = {}
+    for p in points:
+        index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+        result[f"p{p}"] = ordered[index]
+    result["mean"] = statistics.fmean(ordered)
+    return result
+
+
+# -- where a step's time goes ----------------------------------------------------------
+
+
+@dataclass
+class StepProfiler:
+    """Intervals of named functions, recorded while ``profile_steps`` is active."""
+
+    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # (start, end, rows, decode rows) of each forward
+    forwards: list[tuple[float, float, int, int]] = field(default_factory=list)
+
+    def record(self, name: str, start: float, end: float) -> None:
+        self.intervals.setdefault(name, []).append((start, end))
+
+    def steady_state(self, num_decode_rows: int) -> dict[str, Any]:
+        """Per-step breakdown over consecutive forwards of exactly ``num_decode_rows`` decodes.
+
+        A step's period runs from one forward's start to the next one's; what is not inside
+        the forward is the engine's own time (scheduling, inputs, sampling, detokenizing,
+        event loop and thread hops).
+        """
+        steps = [
+            (start, following[0], end - start)
+            for (start, end, rows, decode), following in itertools.pairwise(self.forwards)
+            if rows == decode == num_decode_rows
+        ]
+        if not steps:
+            return {"num_steps": 0}
+        period = sum(b - a for a, b, _ in steps)
+        forward = sum(d for _, _, d in steps)
+        parts = {}
+        for name, spans in self.intervals.items():
+            inside = 0.0
+            for a, b, _ in steps:
+                inside += sum(max(0.0, min(e, b) - max(s, a)) for s, e in spans)
+            parts[f"{name}_ms"] = 1e3 * inside / len(steps)
+        return {
+            "num_steps": len(steps),
+            "num_decode_rows": num_decode_rows,
+            "step_ms": 1e3 * period / len(steps),
+            "forward_ms": 1e3 * forward / len(steps),
+            "outside_forward_ms": 1e3 * (period - forward) / len(steps),
+            "fraction_outside_forward": (period - forward) / period if period > 0 else 0.0,
+            **parts,
+        }
+
+
+def _wrap(profiler: StepProfiler, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            profiler.record(name, start, time.perf_counter())
+
+    return timed
+
+
+@contextlib.contextmanager
+def profile_steps() -> Iterator[StepProfiler]:
+    """Time the model forward and the engine's per-step helpers while the block runs.
+
+    Instrumentation for the bench only: it wraps functions of tgengine's modules in place and
+    restores them on exit. A helper that does not exist (renamed) is simply not timed.
+    """
+    from .. import detokenizer, model_agent, sampler, scheduler
+    from ..models import llama
+
+    profiler = StepProfiler()
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
+        patches.append((owner, attr, original))
+        setattr(owner, attr, _wrap(profiler, name, original))
+
+    forward = llama.CausalLM.forward
+
+    def timed_forward(self: Any, inputs: Any, kv_cache: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return forward(self, inputs, kv_cache)
+        finally:
+            rows = int(inputs.num_rows)
+            profiler.forwards.append(
+                (start, time.perf_counter(), rows, int(inputs.decode_rows.shape[0]))
+            )
+
+    patches.append((llama.CausalLM, "forward", forward))
+    llama.CausalLM.forward = timed_forward  # type: ignore[method-assign]
+    patch(model_agent, "prepare_inputs", "prepare_inputs")
+    patch(sampler.Sampler, "__call__", "sample")
+    patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")
+    patch(scheduler.Scheduler, "schedule", "schedule")
+    patch(scheduler.Scheduler, "update_after_step", "update_after_step")
+    try:
+        yield profiler
+    finally:
+        for owner, attr, original in reversed(patches):
+            setattr(owner, attr, original)

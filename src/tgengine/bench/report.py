@@ -1,0 +1,289 @@
+"""Printing, saving and plotting bench results (plain dicts from the bench modules)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_GB = 1e9
+_MIB = 1024**2
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """A fixed-width text table of ``rows``: ``columns`` are (key, header)."""
+    cells = [[header for _, header in columns]]
+    cells += [[_fmt(row.get(key, "")) for key, _ in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = []
+    for n, r in enumerate(cells):
+        first = r[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        lines.append("  ".join([first, *rest]))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def roofline_lines(result: dict[str, Any]) -> list[str]:
+    roof = result.get("roofline")
+    if not roof:
+        return []
+    m, c = roof["machine"], roof["model"]
+    return [
+        f"roofline: {m['device']} {m['dtype']} x{m['threads']} threads: matmul "
+        f"{m['matmul_flops'] / _GB:.0f} GFLOP/s, memory {m['memory_bandwidth'] / _GB:.1f} GB/s; "
+        f"model {c['num_params'] / 1e6:.0f}M params, {c['flops_per_token'] / _GB:.3f} GFLOP/token "
+        f"(+{c['attention_flops_per_key'] / 1e6:.2f} MFLOP per context token), "
+        f"{c['weight_bytes'] / _MIB:.0f} MiB weights + {c['kv_bytes_per_token'] / 1024:.1f} KiB KV "
+        "read per batch-1 token",
+    ]
+
+
+def render(result: dict[str, Any]) -> str:
+    """The human-readable report of one bench result."""
+    kind = result["bench"]
+    lines = [f"== bench {kind} =="]
+    machine = result.get("machine")
+    if machine:
+        where = machine.get("gpu") or f"{machine['cpu']} ({machine['cores']} cores)"
+        lines.append(
+            f"machine: {where}, torch {machine['torch']}, transformers "
+            f"{machine['transformers']}, {machine['date']}"
+        )
+    setup = result.get("setup")
+    if setup:
+        lines.append(f"setup: {setup['dtype']} on {setup['device']}, threads {setup['threads']}")
+    workload = result.get("workload")
+    if workload:
+        lines.append("workload: " + ", ".join(f"{k}={v}" for k, v in workload.items()))
+    lines.extend(roofline_lines(result))
+    lines.append("")
+    lines.append(_RENDERERS[kind](result))
+    ratios = result.get("ratios")
+    if ratios:
+        lines.append("")
+        lines.extend(f"{k}: {v:.2f}" for k, v in ratios.items())
+    return "\n".join(lines)
+
+
+def _throughput(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("system", "system"),
+            ("tokens_per_s", "out tok/s"),
+            ("requests_per_s", "req/s"),
+            ("total_tokens_per_s", "all tok/s"),
+            ("wall_s", "wall s"),
+            ("output_tokens", "out tokens"),
+            ("fraction_of_compute_floor", "of compute floor"),
+        ],
+    )
+    tg = result.get("details", {}).get("tgengine")
+    if tg:
+        out += (
+            f"\ntgengine: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
+            f"forward {100 * tg['forward_fraction_of_wall']:.0f}% of wall, "
+            f"TTFT p50 {tg['ttft_s']['p50']:.2f} s, "
+            f"inter-token p50 {1e3 * tg['inter_token_s']['p50']:.0f} ms"
+        )
+    return out
+
+
+def _batch32(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("system", "system"),
+            ("tokens_per_s", "out tok/s"),
+            ("decode_tokens_per_s", "decode tok/s"),
+            ("wall_s", "wall s"),
+            ("output_tokens", "out tokens"),
+            ("fraction_of_compute_floor", "of compute floor"),
+            ("fraction_of_memory_floor", "of memory floor"),
+        ],
+    )
+    b = result.get("step_breakdown")
+    if b and b.get("num_steps"):
+        parts = ", ".join(
+            f"{k.removesuffix('_ms')} {v:.1f}"
+            for k, v in b.items()
+            if k.endswith("_ms") and k not in ("step_ms", "forward_ms", "outside_forward_ms")
+        )
+        out += (
+            f"\nstep at {b['num_decode_rows']} running ({b['num_steps']} steps): "
+            f"{b['step_ms']:.1f} ms, "
+            f"forward {b['forward_ms']:.1f} ms, outside forward {b['outside_forward_ms']:.1f} ms "
+            f"= {100 * b['fraction_outside_forward']:.1f}% (ms per step inside: {parts})"
+        )
+    return out
+
+
+def _latency(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("system", "system"),
+            ("prompt_len", "prompt"),
+            ("ttft_s", "TTFT s"),
+            ("decode_tokens_per_s", "decode tok/s"),
+            ("memory_floor_tokens_per_s", "floor tok/s"),
+            ("fraction_of_memory_floor", "of memory floor"),
+        ],
+    )
+    c = result.get("concurrent")
+    if c:
+        t, i = c["ttft_s"], c["inter_token_s"]
+        out += (
+            f"\n{c['num_streams']} concurrent streams: {c['tokens_per_s']:.1f} tok/s; "
+            "TTFT p50/p90/p99 "
+            f"{t['p50']:.3f}/{t['p90']:.3f}/{t['p99']:.3f} s; inter-token p50/p90/p99 "
+            f"{1e3 * i['p50']:.1f}/{1e3 * i['p90']:.1f}/{1e3 * i['p99']:.1f} ms"
+        )
+    return out
+
+
+def _lifecycle(result: dict[str, Any]) -> str:
+    rows = [{"operation": k, "seconds": v} for k, v in result["seconds"].items()]
+    out = table(
+        rows,
+        [
+            ("operation", f"operation ({result['workload']['num_running']} running)"),
+            ("seconds", "seconds"),
+        ],
+    )
+    mem_rows = []
+    for when, m in result["memory"].items():
+        stats: dict[str, Any] = next(iter(m["memory_stats"].values()), {})
+        mem_rows.append(
+            {
+                "when": when,
+                "rss": m["rss_bytes"] / _MIB,
+                "weights": stats.get("weights_bytes", 0) / _MIB,
+                "kv": stats.get("kv_cache_bytes", 0) / _MIB,
+                "host": stats.get("host_weights_bytes", 0) / _MIB,
+            }
+        )
+    out += "\n\n" + table(
+        mem_rows,
+        [
+            ("when", "memory (MiB)"),
+            ("rss", "process RSS"),
+            ("weights", "weights"),
+            ("kv", "KV cache"),
+            ("host", "host weights"),
+        ],
+    )
+    d = result["drift"]
+    out += (
+        f"\n\nRSS over {d['cycles']} sleep({d['level']})/wakeup cycles: "
+        f"{d['rss_before_bytes'] / _MIB:.0f} -> {d['rss_after_bytes'] / _MIB:.0f} MiB "
+        f"(drift {d['rss_drift_bytes'] / _MIB:+.1f} MiB; after the first cycle "
+        f"{d['rss_drift_after_first_cycle_bytes'] / _MIB:+.1f} MiB)"
+    )
+    return out
+
+
+_RENDERERS = {
+    "throughput": _throughput,
+    "batch32": _batch32,
+    "latency": _latency,
+    "lifecycle": _lifecycle,
+}
+
+
+def save(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write ``<bench>.json``, ``<bench>.txt`` and (with matplotlib) ``<bench>.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = result["bench"]
+    paths = [out / f"{kind}.json", out / f"{kind}.txt"]
+    paths[0].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths[1].write_text(render(result) + "\n")
+    png = out / f"{kind}.png"
+    if plot(result, png):
+        paths.append(png)
+    return paths
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Draw the result's chart into ``path``; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kind = result["bench"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if kind in ("throughput", "batch32"):
+        rows = result["rows"]
+        names = [r["system"] for r in rows]
+        axes[0].barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
+        axes[0].set_xlabel("output tokens/s")
+        axes[0].invert_yaxis()
+        axes[1].barh(
+            names, [100 * r.get("fraction_of_compute_floor", 0) for r in rows], color="tab:orange"
+        )
+        axes[1].set_xlabel("% of the compute floor (measured GEMM rate)")
+        axes[1].invert_yaxis()
+    elif kind == "latency":
+        rows = result["rows"]
+        systems = sorted({r["system"] for r in rows})
+        lens = sorted({r["prompt_len"] for r in rows})
+        width = 0.8 / max(1, len(systems))
+        for i, system in enumerate(systems):
+            by_len = {r["prompt_len"]: r for r in rows if r["system"] == system}
+            xs = [j + i * width for j in range(len(lens))]
+            axes[0].bar(
+                xs,
+                [by_len.get(n, {}).get("decode_tokens_per_s", 0) for n in lens],
+                width,
+                label=system,
+            )
+            axes[1].bar(xs, [by_len.get(n, {}).get("ttft_s", 0) for n in lens], width, label=system)
+        floors = {r["prompt_len"]: r["memory_floor_tokens_per_s"] for r in rows}
+        axes[0].plot(
+            [j + 0.4 - width / 2 for j in range(len(lens))],
+            [floors[n] for n in lens],
+            "k_",
+            markersize=30,
+            label="memory floor",
+        )
+        for ax, label in (
+            (axes[0], "decode tokens/s (batch 1)"),
+            (axes[1], "time to first token (s)"),
+        ):
+            ax.set_xticks(
+                [j + 0.4 - width / 2 for j in range(len(lens))], [f"prompt {n}" for n in lens]
+            )
+            ax.set_ylabel(label)
+            ax.legend()
+    elif kind == "lifecycle":
+        ops = result["seconds"]
+        axes[0].barh(list(ops), list(ops.values()), color="tab:green")
+        axes[0].set_xlabel("seconds")
+        axes[0].invert_yaxis()
+        rss = [b / _MIB for b in result["drift"]["rss_per_cycle_bytes"]]
+        axes[1].plot(range(len(rss)), rss, marker="o")
+        axes[1].set_xlabel("sleep/wakeup cycle")
+        axes[1].set_ylabel("process RSS (MiB)")
+    fig.suptitle(f"tgengine bench {kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

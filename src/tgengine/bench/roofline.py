@@ -1,0 +1,226 @@
+"""The machine's limits, measured here, and what the model costs per token.
+
+``measure_machine`` times a sustained GEMM (the matrix-product rate) and a large reduction and
+copy (memory bandwidth) on the bench's device, dtype and threads. ``ModelCosts`` counts the
+model's FLOPs and bytes per token from its config. Together they give two floors: the compute
+floor of a workload (its FLOPs at the measured GEMM rate: what a large batch can at best
+reach) and the memory floor of batch-1 decode (weights plus KV read once per token at the
+measured bandwidth).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+
+from ..models import ModelConfig
+from .workload import BenchRequest
+
+# Sustained, not burst: a shared or throttled machine shows its real rate only after a while.
+_MEASURE_SECONDS = 1.5
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    device: str
+    dtype: str
+    threads: int
+    matmul_flops: float  # FLOP/s, best sustained GEMM
+    memory_bandwidth: float  # bytes/s, best of a read (sum) and a copy (read + write)
+    matmul_detail: dict[str, float]
+    bandwidth_detail: dict[str, float]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rate(fn: Callable[[], object], work: float, device: torch.device, seconds: float) -> float:
+    """``work`` units per second of ``fn``, run repeatedly for about ``seconds``."""
+    fn()
+    _sync(device)
+    count = 0
+    start = time.perf_counter()
+    while True:
+        fn()
+        count += 1
+        if count % 4 == 0 or device.type != "cuda":
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return work * count / elapsed
+
+
+def _gemm_shapes(
+    device: torch.device, hidden: int, intermediate: int, quick: bool
+) -> dict[str, tuple[int, int, int]]:
+    if device.type == "cuda":
+        return {"square 8192": (8192, 8192, 8192), "mlp m=8192": (8192, 2 * intermediate, hidden)}
+    if quick:
+        return {"square 512": (512, 512, 512)}
+    return {"square 2048": (2048, 2048, 2048), "mlp m=512": (512, 2 * intermediate, hidden)}
+
+
+def measure_machine(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    hidden: int = 576,
+    intermediate: int = 1536,
+    quick: bool = False,
+) -> MachineLimits:
+    """Measure the GEMM rate and memory bandwidth on ``device`` in ``dtype`` (current threads).
+
+    Each figure is the best of a sustained run (about 1.5 s; ``quick``: 0.1 s on small sizes,
+    for smoke tests only).
+    """
+    device = torch.device(device)
+    seconds = 0.1 if quick else _MEASURE_SECONDS
+    matmul: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, (m, n, k) in _gemm_shapes(device, hidden, intermediate, quick).items():
+            a = torch.randn(m, k, device=device).to(dtype)
+            b = torch.randn(n, k, device=device).to(dtype)
+            matmul[name] = _rate(partial(torch.matmul, a, b.T), 2.0 * m * n * k, device, seconds)
+        size = (1 << 30) if device.type == "cuda" else (512 << 20)
+        if quick:
+            size = 32 << 20
+        x = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
+        y = torch.empty_like(x)
+        bandwidth = {
+            "read (sum)": _rate(lambda: x.sum(), float(size), device, seconds),
+            "copy (read + write)": _rate(lambda: y.copy_(x), 2.0 * size, device, seconds),
+        }
+    return MachineLimits(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        matmul_flops=max(matmul.values()),
+        memory_bandwidth=max(bandwidth.values()),
+        matmul_detail=matmul,
+        bandwidth_detail=bandwidth,
+    )
+
+
+def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, dict[str, float]]:
+    """The CPU thread count to run with: ``requested``, or the fastest here (``auto``).
+
+    ``auto`` times 1..cores (at most 8) threads for about a second each on what a decode step
+    does: a small-batch GEMM pair with a float32 norm and an activation in between. A big
+    GEMM alone would mislead: on shared or quota-limited machines (VMs with more vCPUs than
+    CPU time) every parallel region can stall for milliseconds, and small operations, not
+    GEMMs, then decide the speed.
+    """
+    if requested not in (None, "auto"):
+        return int(requested), {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    candidates = sorted({1, *range(2, min(cores or 1, 8) + 1)})
+    x = torch.randn(64, 576).to(dtype)
+    w_in = torch.randn(1536, 576).to(dtype)
+    w_out = torch.randn(576, 1536).to(dtype)
+
+    def layer() -> torch.Tensor:
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        return torch.nn.functional.silu(h @ w_in.T) @ w_out.T
+
+    rates: dict[str, float] = {}
+    work = 2.0 * 2 * 64 * 576 * 1536
+    for n in candidates:
+        torch.set_num_threads(n)
+        with torch.inference_mode():
+            rates[str(n)] = _rate(layer, work, torch.device("cpu"), 1.0)
+    best = max(candidates, key=lambda n: rates[str(n)])
+    return best, rates
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What one token costs the model, counted from its config."""
+
+    num_params: int
+    layer_matmul_params: int  # weights every token multiplies by (all decoder layers)
+    head_params: int  # the LM head, paid by tokens whose logits are computed
+    weight_bytes: int  # bytes of all weights a decode step reads (layers, norms, head)
+    kv_bytes_per_token: int  # K and V of one context token, all layers
+    attention_flops_per_key: int  # FLOPs of one (query, key) pair, all layers
+
+    @staticmethod
+    def of(config: ModelConfig, dtype: torch.dtype) -> ModelCosts:
+        h, d = config.hidden_size, config.head_dim
+        q, kv = config.num_heads * d, config.num_kv_heads * d
+        bias = (q + 2 * kv) if config.attention_bias else 0
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+        layers = config.num_layers * per_layer
+        norms = config.num_layers * 2 * h + h
+        head = config.vocab_size * h
+        embed = 0 if config.tie_word_embeddings else config.vocab_size * h
+        element = torch.empty((), dtype=dtype).element_size()
+        return ModelCosts(
+            num_params=layers + config.num_layers * bias + norms + head + embed,
+            layer_matmul_params=layers,
+            head_params=head,
+            weight_bytes=(layers + config.num_layers * bias + norms + head) * element,
+            kv_bytes_per_token=config.num_layers * 2 * kv * element,
+            attention_flops_per_key=config.num_layers * 4 * q,
+        )
+
+    def flops_per_token(self, context_len: int = 0) -> int:
+        """A decode token at ``context_len``: ~2 x params, plus attention over the context."""
+        return 2 * (self.layer_matmul_params + self.head_params) + (
+            self.attention_flops_per_key * context_len
+        )
+
+    def bytes_per_token(self, context_len: int = 0) -> int:
+        """What batch-1 decode must read per token: every weight, plus the context's KV."""
+        return self.weight_bytes + self.kv_bytes_per_token * context_len
+
+    def workload_flops(self, requests: list[BenchRequest]) -> int:
+        """The FLOPs any engine must spend: every prompt and output token once, no padding."""
+        total = 0
+        for r in requests:
+            num_computed = len(r.prompt) + r.max_tokens - 1  # the last token is never fed back
+            pairs = num_computed * (num_computed + 1) // 2  # causal (query, key) pairs
+            total += 2 * self.layer_matmul_params * num_computed
+            total += 2 * self.head_params * r.max_tokens
+            total += self.attention_flops_per_key * pairs
+        return total
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "flops_per_token": self.flops_per_token()}
+
+
+def compute_floor(
+    costs: ModelCosts, limits: MachineLimits, requests: list[BenchRequest], wall_s: float
+) -> dict[str, float]:
+    """The workload's FLOPs at the measured GEMM rate, and the fraction of it a run reached."""
+    flops = costs.workload_flops(requests)
+    floor_s = flops / limits.matmul_flops
+    return {
+        "workload_flops": float(flops),
+        "compute_floor_s": floor_s,
+        "achieved_flops": flops / wall_s if wall_s > 0 else 0.0,
+        "fraction_of_compute_floor": floor_s / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+def memory_floor(
+    costs: ModelCosts, limits: MachineLimits, context_len: int, tokens_per_s: float
+) -> dict[str, float]:
+    """Batch-1 decode's best rate (weights + KV read once per token) and the fraction reached."""
+    per_token = costs.bytes_per_token(context_len)
+    floor = limits.memory_bandwidth / per_token
+    return {
+        "bytes_per_token": float(per_token),
+        "memory_floor_tokens_per_s": floor,
+        "fraction_of_memory_floor": tokens_per_s / floor if floor > 0 else 0.0,
+    }

@@ -1,0 +1,229 @@
+"""``python -m tgengine bench throughput | latency | lifecycle | batch32``.
+
+Each subcommand runs one bench (``tgengine.bench``) in this process, prints its table, and
+with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
+``--quick`` shrinks every size so that a run on a tiny model takes seconds (tests, smoke
+runs); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import TGEngineError
+from .common import fail, resolve_model
+
+_SYSTEMS = "tgengine,hf_generate,hf_generate_batch"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    known = _SYSTEMS.split(",")
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in values if v not in known]
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(f"systems: choose from {_SYSTEMS}, got {text!r}")
+    return values
+
+
+def _threads(text: str) -> str | int:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("threads: must be 'auto' or a positive integer")
+    return value
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face model directory (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV cache, every system (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N or auto = cuda when present (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default="auto",
+        help="CPU threads for every system; auto = the fastest for a GEMM here "
+        "(default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        metavar="BYTES",
+        help="tgengine's KV cache budget (default: the engine's)",
+    )
+    parser.add_argument("--out", metavar="DIR", help="write JSON, text and a PNG chart here")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes and short measurements, for tests and smoke runs",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="benchmark tgengine against transformers and the machine's limits",
+        description="Benchmarks; each prints a table and, with --out, writes JSON and a PNG.",
+    )
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+
+    p = benches.add_parser(
+        "throughput", help="mixed workload: tgengine vs generate vs generate_batch"
+    )
+    _common(p)
+    p.add_argument("--num-requests", type=int, help="default: 64 (quick: 6)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        help="multiply prompt lengths (16-512) and max_tokens (16-256) by this "
+        "(default: 1; quick: 0.05)",
+    )
+    p.add_argument(
+        "--batch-sizes", type=_ints, help="static generate batch sizes (default: 8,16,32)"
+    )
+    p.add_argument("--systems", type=_systems, default=_SYSTEMS, help="default: %(default)s")
+    p.set_defaults(handler=run, runner=_throughput)
+
+    p = benches.add_parser("latency", help="single-stream TTFT and decode rate; N streams")
+    _common(p)
+    p.add_argument("--prompt-lens", type=_ints, help="default: 16,256,1024")
+    p.add_argument("--max-tokens", type=int, help="tokens per stream (default: 64)")
+    p.add_argument("--concurrency", type=int, help="concurrent streams (default: 8)")
+    p.add_argument("--repeats", type=int, help="single-stream runs; the median counts (default: 3)")
+    p.add_argument(
+        "--systems", type=_systems, default="tgengine,hf_generate", help="default: %(default)s"
+    )
+    p.set_defaults(handler=run, runner=_latency)
+
+    p = benches.add_parser("lifecycle", help="stop/pause/sleep/wakeup times, memory, RSS drift")
+    _common(p)
+    p.add_argument("--num-running", type=int, help="requests in flight (default: 16)")
+    p.add_argument("--cycles", type=int, help="sleep/wakeup cycles for RSS drift (default: 20)")
+    p.add_argument(
+        "--drift-level",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="sleep level of the drift cycles (default: %(default)s)",
+    )
+    p.set_defaults(handler=run, runner=_lifecycle)
+
+    p = benches.add_parser("batch32", help="one request, then 32 at once, vs generate bs 1 / 32")
+    _common(p)
+    p.add_argument("--num-requests", type=int, help="default: 32")
+    p.add_argument("--prompt-len", type=int, help="default: 64")
+    p.add_argument("--max-tokens", type=int, help="default: 64")
+    p.add_argument(
+        "--systems", type=_systems, default="tgengine,hf_generate", help="default: %(default)s"
+    )
+    p.set_defaults(handler=run, runner=_batch32)
+
+
+def _pick(value: Any, normal: Any, quick: Any, args: argparse.Namespace) -> Any:
+    if value is not None:
+        return value
+    return quick if args.quick else normal
+
+
+def _throughput(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.throughput import run_throughput
+    from ..bench.workload import WorkloadSpec
+
+    spec = WorkloadSpec(num_requests=_pick(args.num_requests, 64, 6, args), seed=args.seed)
+    spec = spec.scaled(_pick(args.scale, 1.0, 0.05, args))
+    batch_sizes = _pick(args.batch_sizes, (8, 16, 32), (2, 4), args)
+    return run_throughput(setup, spec, batch_sizes=batch_sizes, systems=args.systems)
+
+
+def _latency(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.latency import run_latency
+
+    return run_latency(
+        setup,
+        prompt_lens=_pick(args.prompt_lens, (16, 256, 1024), (4, 16, 64), args),
+        max_tokens=_pick(args.max_tokens, 64, 6, args),
+        concurrency=_pick(args.concurrency, 8, 3, args),
+        concurrent_prompt_len=16 if args.quick else 256,
+        repeats=_pick(args.repeats, 3, 1, args),
+        seed=args.seed,
+        systems=args.systems,
+    )
+
+
+def _lifecycle(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.lifecycle import run_lifecycle
+
+    return run_lifecycle(
+        setup,
+        num_running=_pick(args.num_running, 16, 4, args),
+        cycles=_pick(args.cycles, 20, 2, args),
+        drift_level=args.drift_level,
+    )
+
+
+def _batch32(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.throughput import run_batch32
+
+    return run_batch32(
+        setup,
+        num_requests=_pick(args.num_requests, 32, 4, args),
+        prompt_len=_pick(args.prompt_len, 64, 8, args),
+        max_tokens=_pick(args.max_tokens, 64, 6, args),
+        seed=args.seed,
+        systems=args.systems,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.common import BenchSetup
+    from ..bench.report import render, save
+    from ..bench.throughput import with_machine
+
+    runner: Callable[[Any, argparse.Namespace], dict[str, Any]] = args.runner
+    try:
+        setup = BenchSetup.resolve(
+            resolve_model(args.model),
+            args.dtype,
+            args.device,
+            args.threads,
+            progress=not args.no_progress,
+            kv_cache_memory=args.kv_cache_memory,
+            quick=args.quick,
+        )
+        result = with_machine(setup, runner(setup, args))
+    except TGEngineError as exc:
+        return fail(exc)
+    print(render(result), flush=True)
+    if args.out:
+        paths = save(result, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,136 @@
+"""``python -m tgengine bench ...`` on the tiny model: every command runs and reports numbers.
+
+Speed is for reports, not tests: nothing here compares timings or ratios.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tgengine.cli.main import build_parser
+
+QUICK = ["--quick", "--dtype", "float32", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_bench(
+    command: str, model_dir: Path, out: Path, *extra: str, capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
+    args = build_parser().parse_args(
+        ["bench", command, "--model", str(model_dir), "--out", str(out), *QUICK, *extra]
+    )
+    assert args.handler(args) == 0
+    printed = capsys.readouterr().out
+    assert f"== bench {command} ==" in printed
+    for suffix in ("json", "txt", "png"):
+        assert (out / f"{command}.{suffix}").stat().st_size > 0
+    result: dict[str, Any] = json.loads((out / f"{command}.json").read_text())
+    assert result["bench"] == command
+    assert {"setup", "machine"} <= result.keys()
+    assert result["machine"]["torch"] == torch.__version__
+    return result
+
+
+def assert_roofline(result: dict[str, Any]) -> None:
+    machine, model = result["roofline"]["machine"], result["roofline"]["model"]
+    assert machine["matmul_flops"] > 0 and machine["memory_bandwidth"] > 0
+    assert model["flops_per_token"] > 0 and model["weight_bytes"] > 0
+    assert model["kv_bytes_per_token"] > 0
+
+
+def test_throughput(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench("throughput", tiny_llama_dir, tmp_path, capsys=capsys)
+    assert_roofline(result)
+    systems = [row["system"] for row in result["rows"]]
+    assert systems == ["tgengine", "hf_generate bs=2", "hf_generate bs=4", "hf_generate_batch"]
+    expected_tokens = result["workload"]["output_tokens"]
+    for row in result["rows"]:
+        assert row["output_tokens"] == expected_tokens, row["system"]
+        for key in ("wall_s", "tokens_per_s", "requests_per_s", "fraction_of_compute_floor"):
+            assert row[key] > 0, (row["system"], key)
+    ratios = result["ratios"]
+    assert ratios["tgengine / hf_generate (best batch size)"] > 0
+    assert ratios["tgengine / hf_generate_batch"] > 0
+    details = result["details"]["tgengine"]
+    assert details["num_steps"] > 0 and 0 < details["forward_fraction_of_wall"] <= 1
+
+
+def test_latency(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_bench("latency", tiny_llama_dir, tmp_path, capsys=capsys)
+    assert_roofline(result)
+    rows = result["rows"]
+    assert {(r["system"], r["prompt_len"]) for r in rows} == {
+        (system, n) for system in ("tgengine", "hf_generate bs=1") for n in (4, 16, 64)
+    }
+    for row in rows:
+        assert row["ttft_s"] > 0 and row["decode_tokens_per_s"] > 0
+        assert row["memory_floor_tokens_per_s"] > 0 and row["fraction_of_memory_floor"] > 0
+    concurrent = result["concurrent"]
+    assert concurrent["num_streams"] == 3 and concurrent["tokens_per_s"] > 0
+    assert concurrent["ttft_s"]["p50"] > 0 and concurrent["inter_token_s"]["p99"] > 0
+
+
+def test_lifecycle(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench("lifecycle", tiny_llama_dir, tmp_path, "--cycles", "3", capsys=capsys)
+    seconds = result["seconds"]
+    assert set(seconds) == {
+        "pause (keep)",
+        "resume",
+        "pause (abort)",
+        "sleep(1)",
+        "wakeup after sleep(1)",
+        "sleep(2)",
+        "wakeup after sleep(2)",
+        "stop",
+    }
+    assert all(v >= 0 for v in seconds.values())
+    memory = result["memory"]
+    for level in (1, 2):
+        before = next(iter(memory[f"before sleep({level})"]["memory_stats"].values()))
+        during = next(iter(memory[f"during sleep({level})"]["memory_stats"].values()))
+        assert before["weights_bytes"] > 0 and before["kv_cache_bytes"] > 0
+        assert during["weights_bytes"] == 0 and during["kv_cache_bytes"] == 0
+        assert memory[f"before sleep({level})"]["rss_bytes"] > 0
+    drift = result["drift"]
+    assert drift["cycles"] == 3 and len(drift["rss_per_cycle_bytes"]) == 4
+    assert drift["rss_before_bytes"] > 0 and drift["rss_after_bytes"] > 0
+
+
+def test_batch32(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_bench("batch32", tiny_llama_dir, tmp_path, capsys=capsys)
+    assert_roofline(result)
+    systems = [row["system"] for row in result["rows"]]
+    assert systems == ["tgengine x1", "tgengine x4", "hf_generate bs=1", "hf_generate bs=4"]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["output_tokens"] > 0
+    breakdown = result["step_breakdown"]
+    assert breakdown["num_steps"] > 0 and breakdown["num_decode_rows"] == 4
+    assert breakdown["step_ms"] >= breakdown["forward_ms"] > 0
+    assert 0 <= breakdown["fraction_outside_forward"] < 1
+
+
+def test_bench_options_are_validated() -> None:
+    parser = build_parser()
+    for argv in (
+        ["bench", "throughput", "--systems", "vllm"],
+        ["bench", "throughput", "--batch-sizes", "8,x"],
+        ["bench", "latency", "--threads", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
