@@ -14,6 +14,8 @@ class EngineConfig:
 
     ``num_blocks`` wins over ``kv_cache_memory``. Without either, the KV cache takes
     ``gpu_memory_utilization`` of free memory on CUDA, and a fixed 512 MiB budget on CPU.
+    ``num_threads`` sets torch's CPU threads (process-wide); on CPU it defaults to one
+    less than the number of cores, leaving one to the event loop.
     """
 
     model: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import logging
 import threading
 from collections.abc import Callable
@@ -148,11 +149,11 @@ class ModelAgent:
 
     def _load(self) -> AgentInfo:
         cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
         model_config = load_model_config(cfg.model)
         dtype = resolve_dtype(cfg.dtype, model_config)
         device = _pick_device(cfg.device)
+        if cfg.num_threads or device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or _default_cpu_threads())
         self._model = load_model(model_config, cfg.model, dtype, device)
         self._weights_resident = True
         self._specs = weight_specs(self._model)
@@ -327,6 +328,12 @@ def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _default_cpu_threads() -> int:
+    # Leave one core to the event loop and the tokenizer: with every core in torch's
+    # pool, its spinning workers and the loop fight, and a 2-core step runs ~10x slower.
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _free_device_memory() -> None:
