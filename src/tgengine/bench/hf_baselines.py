@@ -23,7 +23,8 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: str) -> Any:
     return model.to(device).eval()
 
 
-def _generation_config(model: Any, max_new_tokens: int) -> Any:
+def generation_config(model: Any, max_new_tokens: int) -> Any:
+    """Greedy, exactly ``max_new_tokens`` new tokens (EOS never stops it)."""
     from transformers import GenerationConfig
 
     pad = model.config.pad_token_id
@@ -79,7 +80,7 @@ def generate_static(
             out = model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
-                generation_config=_generation_config(model, max_new),
+                generation_config=generation_config(model, max_new),
             )
             generated += (out.shape[1] - width) * len(batch)
             useful += sum(min(r.max_tokens, out.shape[1] - width) for r in batch)
@@ -108,7 +109,7 @@ def generate_batch(
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     device = model.device
-    config = _generation_config(model, max(r.max_tokens for r in requests))
+    config = generation_config(model, max(r.max_tokens for r in requests))
     config.eos_token_id = -1  # the manager's own spelling of "no EOS"
     logging.getLogger("transformers").setLevel(logging.ERROR)
     bar = tqdm(
@@ -176,7 +177,7 @@ def single_stream(model: Any, prompt: list[int], max_tokens: int) -> dict[str, f
         model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            generation_config=_generation_config(model, max_tokens),
+            generation_config=generation_config(model, max_tokens),
             streamer=streamer,
         )
     _sync(device)

@@ -197,11 +197,29 @@ def _lifecycle(result: dict[str, Any]) -> str:
     return out
 
 
+def _parity(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("dtype", "dtype"),
+            ("prompt_len", "prompt"),
+            ("num_tokens", "tokens"),
+            ("matched_prefix", "equal prefix"),
+            ("first_mismatch", "first mismatch"),
+        ],
+    )
+    for dtype, s in result["summary"].items():
+        verdict = "exact" if s["exact"] else f"{100 * s['matched_prefix_fraction']:.1f}% equal"
+        out += f"\n{dtype}: {verdict}"
+    return out
+
+
 _RENDERERS = {
     "throughput": _throughput,
     "batch32": _batch32,
     "latency": _latency,
     "lifecycle": _lifecycle,
+    "parity": _parity,
 }
 
 
@@ -273,6 +291,14 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             )
             ax.set_ylabel(label)
             ax.legend()
+    elif kind == "parity":
+        for dtype in dict.fromkeys(r["dtype"] for r in result["rows"]):
+            rows = [r for r in result["rows"] if r["dtype"] == dtype]
+            axes[0 if dtype == "float32" else 1].bar(
+                [str(r["prompt_len"]) for r in rows],
+                [100 * r["matched_prefix"] / max(1, r["num_tokens"]) for r in rows],
+            )
+            axes[0 if dtype == "float32" else 1].set_title(f"{dtype}: % of tokens equal")
     elif kind == "lifecycle":
         ops = result["seconds"]
         axes[0].barh(list(ops), list(ops.values()), color="tab:green")

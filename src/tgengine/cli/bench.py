@@ -137,6 +137,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.set_defaults(handler=run, runner=_lifecycle)
 
+    p = benches.add_parser("parity", help="greedy tokens vs transformers generate (any device)")
+    _common(p)
+    p.add_argument("--max-tokens", type=int, help="tokens per prompt (default: 32)")
+    p.set_defaults(handler=run, runner=_parity)
+
+    p = benches.add_parser("summary", help="one table from the JSON results in DIR")
+    p.add_argument("dir", metavar="DIR", help="a directory written by --out")
+    p.set_defaults(handler=_summary)
+
     p = benches.add_parser("batch32", help="one request, then 32 at once, vs generate bs 1 / 32")
     _common(p)
     p.add_argument("--num-requests", type=int, help="default: 32")
@@ -201,6 +210,24 @@ def _batch32(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         systems=args.systems,
     )
+
+
+def _parity(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.parity import run_parity
+
+    return run_parity(
+        setup,
+        prompt_lens=(3, 9, 20) if args.quick else (5, 17, 64, 200),
+        max_tokens=_pick(args.max_tokens, 32, 6, args),
+        seed=args.seed,
+    )
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from ..bench.summary import summarize_dir
+
+    print(summarize_dir(args.dir))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
