@@ -77,7 +77,8 @@ def test_engine_config_names_the_bad_field(field: str, kwargs: dict[str, object]
         ("temperature", {"temperature": float("nan")}),
         ("top_p", {"top_p": 0.0}),
         ("top_k", {"top_k": -1}),
-        ("seed", {"seed": -3}), ("seed", {"seed": 2**64}),
+        ("seed", {"seed": -3}),
+        ("seed", {"seed": 2**64}),
         ("stop", {"stop": ("",)}),
     ],
 )
