@@ -69,7 +69,7 @@ if "$PYTHON" -c 'import pytest' 2>/dev/null && [[ -f tests/test_parity.py ]]; th
   step "cpu parity tests" 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_parity.py
 fi
 step "gpu parity" 60 "$PYTHON" -m tgengine bench parity "${COMMON[@]}"
-step "throughput" 240 "$PYTHON" -m tgengine bench throughput "${COMMON[@]}"
+step "throughput" 210 "$PYTHON" -m tgengine bench throughput "${COMMON[@]}"
 step "lifecycle" 60 "$PYTHON" -m tgengine bench lifecycle "${COMMON[@]}"
 
 echo

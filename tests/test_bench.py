@@ -134,3 +134,15 @@ def test_bench_options_are_validated() -> None:
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+def test_parity_then_summary(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench("parity", tiny_llama_dir, tmp_path, capsys=capsys)
+    assert result["summary"]["float32"]["exact"], result["rows"]
+    assert {r["prompt_len"] for r in result["rows"]} == {3, 9, 20}
+    args = build_parser().parse_args(["bench", "summary", str(tmp_path)])
+    assert args.handler(args) == 0
+    table = capsys.readouterr().out
+    assert "greedy tokens equal transformers (float32)" in table

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig
@@ -201,6 +202,8 @@ def profile_steps() -> Iterator[StepProfiler]:
         try:
             return forward(self, inputs, kv_cache)
         finally:
+            if inputs.input_ids.device.type == "cuda":
+                torch.cuda.synchronize(inputs.input_ids.device)  # else it times the launches
             rows = int(inputs.num_rows)
             profiler.forwards.append(
                 (start, time.perf_counter(), rows, int(inputs.decode_rows.shape[0]))

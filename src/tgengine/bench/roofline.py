@@ -114,11 +114,12 @@ def measure_machine(
 def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, dict[str, float]]:
     """The CPU thread count to run with: ``requested``, or the fastest here (``auto``).
 
-    ``auto`` times 1..cores (at most 8) threads for about a second each on what a decode step
-    does: a small-batch GEMM pair with a float32 norm and an activation in between. A big
-    GEMM alone would mislead: on shared or quota-limited machines (VMs with more vCPUs than
-    CPU time) every parallel region can stall for milliseconds, and small operations, not
-    GEMMs, then decide the speed.
+    ``auto`` times 1..cores (at most 8) threads on what a decode step does: a small-batch
+    GEMM pair with a float32 norm and an activation in between, in three interleaved rounds
+    of half a second, and keeps each count's worst round. A big GEMM alone, or one short
+    round, would mislead: on shared or quota-limited machines (VMs with more vCPUs than CPU
+    time) every parallel region can stall for milliseconds, now and then, and small
+    operations, not GEMMs, then decide the speed.
     """
     if requested not in (None, "auto"):
         return int(requested), {}
@@ -135,10 +136,12 @@ def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, 
 
     rates: dict[str, float] = {}
     work = 2.0 * 2 * 64 * 576 * 1536
-    for n in candidates:
-        torch.set_num_threads(n)
-        with torch.inference_mode():
-            rates[str(n)] = _rate(layer, work, torch.device("cpu"), 1.0)
+    for _ in range(3):
+        for n in candidates:
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                rate = _rate(layer, work, torch.device("cpu"), 0.5)
+            rates[str(n)] = min(rate, rates.get(str(n), rate))
     best = max(candidates, key=lambda n: rates[str(n)])
     return best, rates
 
