@@ -17,27 +17,18 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from ..engine import Engine
 from ..sampling import SamplingParams
+from .common import BenchSetup
 from .workload import BenchRequest
 
 
-def engine_config(
-    model: str,
-    dtype: str,
-    device: str,
-    threads: int | None,
-    *,
-    kv_cache_memory: int | None = None,
-    max_num_seqs: int = 256,
-    max_model_len: int | None = None,
-) -> EngineConfig:
+def engine_config(setup: BenchSetup, dtype: str | None = None) -> EngineConfig:
+    """The engine configuration every tgengine run of a bench uses (``dtype`` overrides)."""
     return EngineConfig(
-        model=model,
-        dtype=dtype,
-        device=device,
-        num_threads=threads if device == "cpu" or device.startswith("cpu") else None,
-        kv_cache_memory=kv_cache_memory,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
+        model=setup.model_dir,
+        dtype=dtype or setup.dtype,
+        device=setup.device,
+        num_threads=setup.threads if setup.device.startswith("cpu") else None,
+        kv_cache_memory=setup.kv_cache_memory,
     )
 
 

@@ -48,13 +48,7 @@ async def _tg_single(engine: Engine, requests: list[BenchRequest]) -> dict[str, 
 async def _tgengine(
     setup: BenchSetup, singles: dict[int, list[BenchRequest]], concurrent: list[BenchRequest]
 ) -> dict[str, Any]:
-    config = engine_config(
-        setup.model_dir,
-        setup.dtype,
-        setup.device,
-        setup.threads,
-        kv_cache_memory=setup.kv_cache_memory,
-    )
+    config = engine_config(setup)
     async with open_engine(config) as engine:
         await warm_up(engine)
         single = {n: await _tg_single(engine, r) for n, r in singles.items()}

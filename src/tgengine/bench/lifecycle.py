@@ -73,13 +73,7 @@ async def _lifecycle(
     prompt_len = min(64, mc.max_position_embeddings // 4)
     max_tokens = min(max_tokens, mc.max_position_embeddings - prompt_len - 1)
     prompts = [r.prompt for r in fixed_workload(num_running, prompt_len, 1, mc.vocab_size)]
-    config = engine_config(
-        setup.model_dir,
-        setup.dtype,
-        setup.device,
-        setup.threads,
-        kv_cache_memory=setup.kv_cache_memory,
-    )
+    config = engine_config(setup)
     engine = Engine(config)
     ended = anyio.Event()
     seconds: dict[str, float] = {}

@@ -36,9 +36,7 @@ def _hf_tokens(model: Any, request: BenchRequest) -> list[int]:
 async def _tg_tokens(
     setup: BenchSetup, dtype: str, requests: list[BenchRequest]
 ) -> list[list[int]]:
-    config = engine_config(
-        setup.model_dir, dtype, setup.device, setup.threads, kv_cache_memory=setup.kv_cache_memory
-    )
+    config = engine_config(setup, dtype)
     async with open_engine(config) as engine:
         tokens: list[list[int]] = [[] for _ in requests]
 

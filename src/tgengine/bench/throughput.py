@@ -41,13 +41,7 @@ def _row(
 
 
 async def _tgengine_mixed(setup: BenchSetup, requests: list[BenchRequest]) -> dict[str, Any]:
-    config = engine_config(
-        setup.model_dir,
-        setup.dtype,
-        setup.device,
-        setup.threads,
-        kv_cache_memory=setup.kv_cache_memory,
-    )
+    config = engine_config(setup)
     async with open_engine(config) as engine:
         await warm_up(engine)
         before = engine.stats()
@@ -158,13 +152,7 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 async def _tgengine_batch32(
     setup: BenchSetup, single: BenchRequest, batch: list[BenchRequest]
 ) -> dict[str, Any]:
-    config = engine_config(
-        setup.model_dir,
-        setup.dtype,
-        setup.device,
-        setup.threads,
-        kv_cache_memory=setup.kv_cache_memory,
-    )
+    config = engine_config(setup)
     async with open_engine(config) as engine:
         await warm_up(engine)
         start = time.perf_counter()
