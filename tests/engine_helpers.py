@@ -64,11 +64,16 @@ def tokens_of(chunks: list[RequestOutput]) -> list[int]:
 async def generate_all(
     engine: Engine, prompts: list[list[int]], params: SamplingParams
 ) -> list[list[RequestOutput]]:
-    """Submit every prompt at once (continuous batching); chunks per prompt, in order."""
+    """Submit every prompt at once (continuous batching); chunks per prompt, in order.
+
+    Admission is synchronous, so every request is waiting before the first step runs:
+    the batch the scheduler sees does not depend on how the backend orders tasks.
+    """
     results: list[list[RequestOutput]] = [[] for _ in prompts]
+    streams = [engine.generate(prompt, params) for prompt in prompts]
 
     async def one(i: int) -> None:
-        results[i] = await collect(engine, prompts[i], params)
+        results[i] = [chunk async for chunk in streams[i]]
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):

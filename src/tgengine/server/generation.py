@@ -140,8 +140,18 @@ class Generation:
 
 
 async def _send_event(send: Send, payload: BaseModel) -> None:
-    data = b"data: " + payload.model_dump_json().encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": sse_event(payload), "more_body": True})
+
+
+# JSON leaves these unescaped, but Python's str.splitlines (and so httpx's aiter_lines)
+# breaks lines at them: escaped, an event stays on one line for every client.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
+def sse_event(payload: BaseModel) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON on a single line."""
+    text = payload.model_dump_json().translate(_LINE_BREAKS_JSON_KEEPS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 class _Timer:
