@@ -19,12 +19,14 @@ from tgengine import (
     open_engine,
 )
 from tgengine.models import iter_safetensors
+from tgengine.models.gemm import _can_prepack
 
 from engine_helpers import (
     TIMEOUT,
     Consumer,
     collect,
     engine_threads,
+    generate_all,
     greedy,
     tiny_config,
     tokens_of,
@@ -76,16 +78,19 @@ async def test_cancelling_the_task_group_is_stop_grace_0(tiny_llama_dir: Path) -
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as outer:
             consumers: list[Consumer] = []
+            streaming = anyio.Event()
 
             async def consume() -> None:
                 async with anyio.create_task_group() as tg:
                     consumers.extend(await start_consumers(engine, tg, 4))
+                    streaming.set()
 
             async with anyio.create_task_group() as inner:
                 await inner.start(engine.run)
                 outer.start_soon(consume)
-                while len(consumers) < 4:
-                    await anyio.wait_all_tasks_blocked()
+                # an event, not wait_all_tasks_blocked: with requests decoding, the loop is
+                # never idle, and that would return only once they had all finished
+                await streaming.wait()
                 inner.cancel_scope.cancel()
     assert [c.finish_reason for c in consumers] == ["abort"] * 4
     assert engine.state is EngineState.STOPPED
@@ -220,6 +225,39 @@ async def test_update_weights_and_the_rl_cycle(tiny_llama_dir: Path, tmp_path: P
             assert {c.weight_version for c in after} == {engine.weight_version}
             await engine.update_weights(tiny_llama_dir)  # a directory of safetensors
             assert tokens_of(await collect(engine, PROMPTS[3], greedy(12))) == tokens_of(before)
+
+
+def weights_bytes(engine: Engine) -> int:
+    return sum(s.weights_bytes for s in engine.memory_stats().values())
+
+
+async def test_prepacked_weights_follow_updates_and_sleep(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # In bfloat16 on CPU, decode with 3+ rows runs on oneDNN-packed copies of the weights:
+    # every change of the weights must drop them, or the engine keeps the old model.
+    named, other_dir = other_weights(tmp_path)
+    named = [(name, t.to(torch.bfloat16)) for name, t in named]
+    original = [(name, t.to(torch.bfloat16)) for name, t in iter_safetensors(tiny_llama_dir)]
+    bf16 = {"dtype": "bfloat16", "prepack_weights": True}
+    prompts, params = PROMPTS[:4], greedy(12)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tiny_config(other_dir, **bf16)) as reference:
+            want = [tokens_of(r) for r in await generate_all(reference, prompts, params)]
+        async with open_engine(tiny_config(tiny_llama_dir, **bf16)) as engine:
+            unpacked = weights_bytes(engine)
+            before = [tokens_of(r) for r in await generate_all(engine, prompts, params)]
+            if _can_prepack():
+                assert weights_bytes(engine) > unpacked, "the packed copies are counted"
+            await engine.update_weights(named)
+            assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == want
+            assert want != before
+            await engine.sleep(1)
+            assert weights_bytes(engine) == 0
+            await engine.wakeup()
+            assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == want
+            await engine.update_weights(original)
+            assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == before
 
 
 async def test_invalid_weights_change_nothing(tiny_llama_dir: Path) -> None:

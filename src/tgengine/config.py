@@ -15,7 +15,9 @@ class EngineConfig:
     ``num_blocks`` wins over ``kv_cache_memory``. Without either, the KV cache takes
     ``gpu_memory_utilization`` of free memory on CUDA, and a fixed 512 MiB budget on CPU.
     ``num_threads`` sets torch's CPU threads (process-wide); on CPU it defaults to one
-    less than the number of cores, leaving one to the event loop.
+    less than the number of cores, leaving one to the event loop. ``prepack_weights``: on
+    CPU in bfloat16/float16, keep a oneDNN-packed copy of each linear weight for batched
+    decode (faster steps, one more copy of those weights in host memory).
     """
 
     model: str
@@ -34,6 +36,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     tokenizer: str | None = None
     num_threads: int | None = None
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:

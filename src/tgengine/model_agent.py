@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +134,7 @@ class ModelAgent:
         weights = 0
         if self._model is not None and self._weights_resident:
             weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
+            weights += self._model.gemm.packed_bytes
         host = sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values())
         allocator: dict[str, int] = {}
         if device.startswith("cuda"):
@@ -155,6 +160,7 @@ class ModelAgent:
         if cfg.num_threads or device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or _default_cpu_threads())
         self._model = load_model(model_config, cfg.model, dtype, device)
+        self._model.gemm.prepack = cfg.prepack_weights
         self._weights_resident = True
         self._specs = weight_specs(self._model)
         max_len = cfg.max_model_len or model_config.max_position_embeddings
@@ -255,6 +261,7 @@ class ModelAgent:
     def _sleep(self, level: int) -> None:
         self._kv = None
         if self._model is not None and self._weights_resident:
+            self._model.weights_changed()
             if level == 1:
                 self._host_weights = {
                     name: p.detach().to("cpu", copy=p.device.type != "cpu")
@@ -293,6 +300,7 @@ class ModelAgent:
                 p.data = torch.empty(shape, dtype=dtype, device=device)
         if reloaded:
             load_weights(self._model, iter_safetensors(self.config.model), strict=True)
+        self._model.weights_changed()
         self._host_weights = None
         self._weights_resident = True
         return reloaded
@@ -314,6 +322,7 @@ class ModelAgent:
         with torch.no_grad():
             for name, tensor in named:
                 params[name].data.copy_(tensor)
+        self._model.weights_changed()
 
     def _release_all(self) -> None:
         self._kv = None
@@ -340,3 +349,22 @@ def _free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    _trim_host_heap()
+
+
+def _trim_host_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise, and RSS stays high)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
