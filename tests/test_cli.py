@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+
+from tgengine.cli.common import add_engine_options, engine_config
 
 from model_factory import make_tiny_model_dir
 
@@ -120,3 +123,13 @@ async def test_second_signal_stops_at_once(long_context_dir: Path) -> None:
         code, stderr = await _run_and_signal(long_context_dir, "trio", signals=2, grace="3600")
     assert code == 0, stderr
     assert "again: stopping now" in stderr
+
+
+def test_engine_options_reach_the_config(tiny_llama_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    model = ["--model", str(tiny_llama_dir)]
+    assert engine_config(parser.parse_args(model)).prepack_weights is True
+    args = parser.parse_args([*model, "--no-prepack-weights", "--dtype", "bfloat16"])
+    config = engine_config(args)
+    assert config.prepack_weights is False and config.dtype == "bfloat16"
