@@ -72,13 +72,10 @@ class Generation:
 
     async def stream(self, send: Send) -> None:
         """Server-sent events, one per chunk; the last is ``data: [DONE]``."""
-        timer = _Timer(self.metrics)
-        try:
-            outputs = self._admit()
-        except TGEngineError as exc:
-            await self._admission_error(exc).send(send)
+        outputs = await self._admit(send)
+        if outputs is None:
             return
-        acc = Accumulated()
+        timer, acc = _Timer(self.metrics), Accumulated()
         async with outputs:  # leaving it early (cancelled: the client left) aborts the request
             started = False
             async for out in outputs:
@@ -100,13 +97,10 @@ class Generation:
 
     async def complete(self, send: Send) -> None:
         """One JSON body once the request finished."""
-        timer = _Timer(self.metrics)
-        try:
-            outputs = self._admit()
-        except TGEngineError as exc:
-            await self._admission_error(exc).send(send)
+        outputs = await self._admit(send)
+        if outputs is None:
             return
-        acc = Accumulated()
+        timer, acc = _Timer(self.metrics), Accumulated()
         async with outputs:
             async for out in outputs:
                 timer.observe(out)
@@ -119,8 +113,13 @@ class Generation:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _admit(self) -> RequestStream:
-        return self.engine.generate(self.prompt, self.params, request_id=self.request_id)
+    async def _admit(self, send: Send) -> RequestStream | None:
+        """The request's stream, or None once its admission error has been answered."""
+        try:
+            return self.engine.generate(self.prompt, self.params, request_id=self.request_id)
+        except TGEngineError as exc:
+            await self._admission_error(exc).send(send)
+            return None
 
     def _admission_error(self, exc: TGEngineError) -> APIError:
         error = from_engine_error(exc, self.retry_after)
