@@ -34,15 +34,14 @@ class Gemm:
     def __init__(self) -> None:
         self.prepack = False
         self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        # A running total, so that other threads read it while a forward packs more.
+        self.packed_bytes = 0
+        """Host memory the packed copies take (0 unless ``prepack``)."""
 
     def weights_changed(self) -> None:
         """Forget everything derived from the weights; call after changing or replacing them."""
-        self._packed.clear()
-
-    @property
-    def packed_bytes(self) -> int:
-        """Host memory the packed copies take (0 unless ``prepack``)."""
-        return sum(w.numel() * w.element_size() for w in self._packed.values())
+        self._packed = {}
+        self.packed_bytes = 0
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -69,4 +68,5 @@ class Gemm:
             with torch.inference_mode(False), torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._packed[key] = packed
+            self.packed_bytes += packed.numel() * packed.element_size()
         return packed
