@@ -23,3 +23,12 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model_factory import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose context is long enough that one request outlives any test."""
+    from model_factory import make_tiny_model_dir
+
+    path = tmp_path_factory.mktemp("long-context")
+    return make_tiny_model_dir(path, arch="llama", max_position_embeddings=1_000_000)

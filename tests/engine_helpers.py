@@ -149,3 +149,11 @@ def engine_threads() -> list[str]:
                 break
             f = f.f_back
     return busy
+
+
+async def stream_all(tg: anyio.abc.TaskGroup, consumers: list[Consumer]) -> None:
+    """Start every consumer in ``tg``; return once each has received its first chunk."""
+    for c in consumers:
+        tg.start_soon(c.run)
+    for c in consumers:
+        await c.first_chunk.wait()

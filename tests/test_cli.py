@@ -13,17 +13,8 @@ import pytest
 
 from tgengine.cli.common import add_engine_options, engine_config
 
-from model_factory import make_tiny_model_dir
-
 TIMEOUT = 60
 RUNNER = [sys.executable, "-m", "tgengine"]
-
-
-@pytest.fixture(scope="module")
-def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model with a context long enough that generation outlives the test."""
-    path = tmp_path_factory.mktemp("long-context")
-    return make_tiny_model_dir(path, arch="llama", max_position_embeddings=1_000_000)
 
 
 def test_help_explains_each_option() -> None:

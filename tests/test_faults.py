@@ -10,7 +10,16 @@ import pytest
 from tgengine import Engine, EngineDeadError, EngineState
 from tgengine._faults import FaultInjector
 
-from engine_helpers import TIMEOUT, Consumer, collect, engine_threads, greedy, tiny_config
+from engine_helpers import (
+    TIMEOUT,
+    Consumer,
+    collect,
+    engine_threads,
+    greedy,
+    stream_all,
+    tiny_config,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.anyio
 PROMPTS = [[3 + i, 40, 41 + 2 * i, 50, 60 + i, 7] for i in range(8)]
@@ -29,10 +38,7 @@ async def test_exception_at_step_n_errors_every_request(tiny_llama_dir: Path) ->
         with pytest.RaisesGroup(EngineDeadError) as info:
             async with anyio.create_task_group() as tg:
                 await tg.start(engine.run)
-                for c in consumers:
-                    tg.start_soon(c.run)
-                for c in consumers:
-                    await c.first_chunk.wait()
+                await stream_all(tg, consumers)
                 faults.raise_at[faults.num_steps + 2] = boom
                 await anyio.sleep_forever()
     dead = info.value.exceptions[0]
@@ -54,10 +60,7 @@ async def test_hang_with_step_timeout_is_a_fault(tiny_llama_dir: Path) -> None:
             with pytest.RaisesGroup(EngineDeadError) as info:
                 async with anyio.create_task_group() as tg:
                     await tg.start(engine.run)
-                    for c in consumers:
-                        tg.start_soon(c.run)
-                    for c in consumers:
-                        await c.first_chunk.wait()
+                    await stream_all(tg, consumers)
                     faults.hang_at.add(faults.num_steps + 2)
                     await anyio.sleep_forever()
     finally:
@@ -75,16 +78,11 @@ async def test_cache_not_ready_fails_one_request_only(tiny_llama_dir: Path) -> N
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
-            want = [
-                [t for c in await collect(engine, p, params) for t in c.token_ids] for p in PROMPTS
-            ]
+            want = [tokens_of(await collect(engine, p, params)) for p in PROMPTS]
             consumers = [
                 Consumer(engine, p, params, request_id=f"r{i}") for i, p in enumerate(PROMPTS)
             ]
-            for c in consumers:
-                tg.start_soon(c.run)
-            for c in consumers:
-                await c.first_chunk.wait()
+            await stream_all(tg, consumers)
             faults.cache_not_ready_at[faults.num_steps + 2] = {"r3"}
             for c in consumers:
                 await c.done.wait()

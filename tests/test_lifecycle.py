@@ -28,6 +28,7 @@ from engine_helpers import (
     engine_threads,
     generate_all,
     greedy,
+    stream_all,
     tiny_config,
     tokens_of,
 )
@@ -42,10 +43,7 @@ async def start_consumers(
     engine: Engine, tg: anyio.abc.TaskGroup, n: int, params=LONG
 ) -> list[Consumer]:  # type: ignore[no-untyped-def]
     consumers = [Consumer(engine, PROMPTS[i % len(PROMPTS)], params) for i in range(n)]
-    for c in consumers:
-        tg.start_soon(c.run)
-    for c in consumers:
-        await c.first_chunk.wait()
+    await stream_all(tg, consumers)
     return consumers
 
 

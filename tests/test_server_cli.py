@@ -15,17 +15,8 @@ import pytest
 from server_helpers import assert_error_body, completion_body, parse_sse, stream_lines
 from tgengine.cli.main import build_parser
 
-from model_factory import make_tiny_model_dir
-
 TIMEOUT = 90
 RUNNER = [sys.executable, "-m", "tgengine"]
-
-
-@pytest.fixture(scope="module")
-def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model whose context is long enough that one request outlives the grace."""
-    path = tmp_path_factory.mktemp("serve-long-context")
-    return make_tiny_model_dir(path, arch="llama", max_position_embeddings=1_000_000)
 
 
 def test_serve_help_lists_the_options() -> None:
