@@ -19,7 +19,7 @@ from tgengine import (
     open_engine,
 )
 from tgengine.models import iter_safetensors
-from tgengine.models.gemm import _can_prepack
+from tgengine.models.gemm import can_prepack
 
 from engine_helpers import (
     TIMEOUT,
@@ -245,7 +245,7 @@ async def test_prepacked_weights_follow_updates_and_sleep(
         async with open_engine(tiny_config(tiny_llama_dir, **bf16)) as engine:
             unpacked = weights_bytes(engine)
             before = [tokens_of(r) for r in await generate_all(engine, prompts, params)]
-            if _can_prepack():
+            if can_prepack(torch.bfloat16):
                 assert weights_bytes(engine) > unpacked, "the packed copies are counted"
             await engine.update_weights(named)
             assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == want

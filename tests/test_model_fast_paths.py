@@ -15,7 +15,7 @@ from tgengine.model_inputs import prepare_inputs
 from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
 from tgengine.models.fused import fused_rows
-from tgengine.models.gemm import Gemm, _can_prepack
+from tgengine.models.gemm import Gemm, can_prepack
 from tgengine.sampling import SamplingParams
 from tgengine.step import SeqStep
 
@@ -132,7 +132,7 @@ def test_gemm_kernels_compute_the_same_products() -> None:
     assert torch.equal(gemm.linear(x32, weight.float()), F.linear(x32, weight.float()))
 
 
-@pytest.mark.skipif(not _can_prepack(), reason="oneDNN weight prepacking is not available")
+@pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN weight prepacking is not available")
 def test_prepacked_weights_are_dropped_when_weights_change() -> None:
     torch.manual_seed(0)
     weight = torch.randn(96, 64).to(torch.bfloat16)

@@ -13,6 +13,8 @@ All paths compute the same products; only the kernels differ.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,11 +23,25 @@ PACK_MAX_ROWS = 128
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _can_prepack() -> bool:
+@functools.cache
+def can_prepack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT).
+
+    Probed once per dtype on a tiny weight: the ops exist in every build, but refuse at run
+    time where the CPU lacks the instructions.
+    """
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
+    if not torch.backends.mkldnn.is_available() or not all(
         hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            packed = ops._reorder_linear_weight(torch.ones(16, 16, dtype=dtype))
+            ops._linear_pointwise(torch.ones(4, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class Gemm:
@@ -56,7 +72,7 @@ class Gemm:
                 return F.linear(x, weight, bias)
             finally:
                 torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
-        if self.prepack and rows <= PACK_MAX_ROWS and _can_prepack():
+        if self.prepack and rows <= PACK_MAX_ROWS and can_prepack(x.dtype):
             packed = self._packed_weight(weight)
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
