@@ -132,7 +132,9 @@ def test_gemm_kernels_compute_the_same_products() -> None:
     assert torch.equal(gemm.linear(x32, weight.float()), F.linear(x32, weight.float()))
 
 
-@pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN weight prepacking is not available")
+@pytest.mark.skipif(
+    not can_prepack(torch.bfloat16), reason="oneDNN weight prepacking is not available"
+)
 def test_prepacked_weights_are_dropped_when_weights_change() -> None:
     torch.manual_seed(0)
     weight = torch.randn(96, 64).to(torch.bfloat16)
