@@ -65,6 +65,7 @@ def test_decode_in_length_groups_matches_transformers(
     model_dir = request.getfixturevalue(fixture)
     config = load_model_config(model_dir)
     model = load_model(config, model_dir, torch.float32, "cpu")
+    model.use_kernels = False  # the torch path's length groups (tests/test_kernels.py: the kernel)
     lengths = [3, 60, 9, 41, 2, 27, 55, 14]
     ungrouped = _prefill_then_decode(model, _prompts(config.vocab_size, lengths))
     monkeypatch.setattr(attention_module, "_GROUP_COST_BLOCKS", 0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tgengine.models import kernels
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -43,6 +44,17 @@ class DecodePlan:
 
 
 @dataclass
+class KernelDecodePlan:
+    """Decode rows attended by the compiled kernel, straight on the paged cache."""
+
+    rows: torch.Tensor  # [Bd] rows of the step
+    tables: torch.Tensor  # [Bd, W] block ids
+    lens: torch.Tensor  # [Bd] context lengths
+    window: int | None
+    num_seqs: int
+
+
+@dataclass
 class PrefillPlan:
     span: PrefillSpan
     mask: torch.Tensor | None  # [n, context_len] bool; None: causal over the span's own k/v
@@ -53,15 +65,29 @@ class AttentionPlan:
     """What every layer's attention needs from one step, computed once per forward."""
 
     num_rows: int
-    decodes: list[DecodePlan]  # the decode rows, in groups of similar context length
+    decodes: list[DecodePlan | KernelDecodePlan]  # torch: groups of similar context length
     prefills: list[PrefillPlan]
     decode_only: bool  # one decode group holds every row, in order: no scatter needed
 
     @staticmethod
-    def build(inputs: ForwardInputs, block_size: int, sliding_window: int | None) -> AttentionPlan:
+    def build(
+        inputs: ForwardInputs,
+        block_size: int,
+        sliding_window: int | None,
+        *,
+        use_kernel: bool = False,
+    ) -> AttentionPlan:
+        """The plan of one step; ``use_kernel``: decode rows go to ``kernels.paged_decode``."""
         num_rows = inputs.num_rows
         num_decode = int(inputs.decode_rows.shape[0])
-        decodes = _decode_plans(inputs, block_size, sliding_window) if num_decode else []
+        decodes: list[DecodePlan | KernelDecodePlan] = []
+        if num_decode and use_kernel:
+            tables, lens = inputs.decode_block_tables, inputs.decode_context_lens
+            decodes = [
+                KernelDecodePlan(inputs.decode_rows, tables, lens, sliding_window, num_decode)
+            ]
+        elif num_decode:
+            decodes = list(_decode_plans(inputs, block_size, sliding_window))
         prefills = [_prefill_plan(span, sliding_window) for span in inputs.prefills]
         decode_only = num_decode == num_rows and len(decodes) == 1 and not prefills
         return AttentionPlan(num_rows, decodes, prefills, decode_only)
@@ -191,7 +217,11 @@ def paged_attention(
     return out
 
 
-def _decode(q: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, blocks: torch.Tensor, plan: DecodePlan | KernelDecodePlan, scale: float
+) -> torch.Tensor:
+    if isinstance(plan, KernelDecodePlan):
+        return kernels.paged_decode(q, blocks, plan.tables, plan.lens, scale, plan.window)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = blocks.shape[1]
     # One gather for keys and values: [2, Hkv, Bd * width, bs, D] -> [2, Hkv, Bd, L, D].

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
 from tgengine.models.config import ModelConfig
 from tgengine.models.fused import fused_rows
@@ -136,7 +137,14 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
         self.gemm = Gemm()
+        self.use_kernels = True
+        """Use tgengine's compiled CPU kernels where they apply (``models.kernels``)."""
         self.requires_grad_(False)
+
+    def _kernel_fits(self, kv_cache: KVCache) -> bool:
+        c = self.config
+        groups = c.num_heads // c.num_kv_heads
+        return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
 
     def weights_changed(self) -> None:
         """Drop what was derived from the weights (packed copies); call after changing them."""
@@ -150,7 +158,12 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(inputs.input_ids)
         cos, sin = self.rotary.cos_sin(inputs.positions, x.dtype)
-        plan = AttentionPlan.build(inputs, kv_cache.block_size, self.config.sliding_window)
+        plan = AttentionPlan.build(
+            inputs,
+            kv_cache.block_size,
+            self.config.sliding_window,
+            use_kernel=self.use_kernels and self._kernel_fits(kv_cache),
+        )
         step = StepContext(inputs, plan, kv_cache, cos, sin, self.gemm)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, step, i)

@@ -1,0 +1,167 @@
+"""CPU kernels tgengine compiles itself, once per machine, with a plain-torch fallback.
+
+``paged_decode`` runs decode attention straight on the paged KV cache (see
+``paged_attention.cpp``). The library is built on first use with the system's C++ compiler
+(``g++ -O3 -march=native -fopenmp``, about 4 s of CPU) into ``$TGENGINE_CACHE`` (default
+``~/.cache/tgengine``) ``/kernels/``, keyed by the source, the compiler and the CPU's flags, so
+a warm start only loads it. Without a compiler, or with ``TGENGINE_KERNELS=0`` in the
+environment, ``load()`` returns None and the callers take their torch path (same results).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",  # lets the compiler vectorise the sums of the dot products
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def enabled() -> bool:
+    return os.environ.get("TGENGINE_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TGENGINE_CACHE") or Path.home() / ".cache" / "tgengine"
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, building them first if needed; None when they cannot be had."""
+    if not enabled() or platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        log.warning("no C++ compiler found: decode attention uses the torch path")
+        return None
+    try:
+        library = _build(compiler)
+        lib = ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cannot build the paged-attention kernel (%s): using the torch path", exc)
+        return None
+    fn = lib.tg_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
+    fn.argtypes += [ctypes.c_int]
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source)
+    key.update(" ".join([compiler, *_FLAGS]).encode())
+    key.update(_cpu_flags().encode())
+    library = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the paged-attention kernel once into %s", library.parent)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        os.replace(built, library)  # atomic: a concurrent build never leaves half a file
+    return library
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+_MAX_GROUPS = 8  # query heads per KV head the kernel holds in registers
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> bool:
+    """Whether ``paged_decode`` runs for this device, dtype and head layout (builds it once)."""
+    return (
+        device.type == "cpu"
+        and dtype in _DTYPES
+        and head_dim in _HEAD_DIMS
+        and 1 <= groups <= _MAX_GROUPS
+        and load() is not None
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Decode attention ``[B, H, D]`` of ``q`` over the paged ``blocks``.
+
+    ``blocks`` is one layer's ``[2, Hkv, num_blocks, block_size, D]`` cache, ``tables``
+    ``[B, W]`` int64 block ids and ``lens`` ``[B]`` int64 context lengths (keys visible:
+    the last ``window`` of them when ``window`` is set). Call it only where ``supports``
+    said yes.
+    """
+    lib = load()
+    if lib is None or blocks.dtype != q.dtype or not blocks.is_contiguous():
+        raise RuntimeError("paged_decode called where the kernel does not apply")
+    q = q.contiguous()
+    tables = tables.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, num_blocks, block_size, _ = blocks.shape
+    status = lib.tg_paged_decode(
+        _DTYPES[q.dtype],
+        q.data_ptr(),
+        blocks.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        num_blocks,
+        block_size,
+        head_dim,
+        tables.shape[1],
+        window or 0,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged-attention kernel refused the shapes (status {status})")
+    return out

@@ -1,0 +1,86 @@
+"""The compiled paged-attention kernel gives the torch path's results on the paged cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tgengine.models import kernels
+from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention
+from tgengine.models.inputs import ForwardInputs
+
+pytestmark = pytest.mark.skipif(
+    not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),
+    reason="no C++ compiler for tgengine's kernels",
+)
+
+# (dtype, tolerance): the kernel sums in float32 like the torch path, rounding differs only
+# in the last bit of the output dtype.
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+
+
+def _decode_inputs(lens: list[int], block_size: int, num_blocks: int) -> ForwardInputs:
+    width = max(-(-n // block_size) for n in lens)
+    ids = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width)
+    context = torch.tensor(lens)
+    return ForwardInputs(
+        input_ids=torch.zeros(len(lens), dtype=torch.long),
+        positions=context - 1,
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        decode_rows=torch.arange(len(lens)),
+        decode_block_tables=ids,
+        decode_context_lens=context,
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128)]
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_matches_the_torch_path(
+    dtype: torch.dtype,
+    tol: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+) -> None:
+    torch.manual_seed(0)
+    rng = random.Random(1)
+    block_size, num_blocks = 4, 256
+    # Lengths of one token, at block boundaries and across many blocks.
+    lens = [1, 3, 4, 5, 8, 17, rng.randint(20, 120), rng.randint(20, 120)]
+    inputs = _decode_inputs(lens, block_size, num_blocks)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    plain = AttentionPlan.build(inputs, block_size, window)
+    fast = AttentionPlan.build(inputs, block_size, window, use_kernel=True)
+    assert isinstance(fast.decodes[0], KernelDecodePlan)
+    assert not any(isinstance(d, KernelDecodePlan) for d in plain.decodes)
+    want = paged_attention(q, q, q, blocks, plain, scale)
+    got = paged_attention(q, q, q, blocks, fast, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_is_built_once_and_cached() -> None:
+    library = kernels.load()
+    assert library is not None
+    assert library._name in {str(p) for p in kernels.cache_dir().glob("paged_attention-*.so")}
+    assert kernels.load() is library
+
+
+def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TGENGINE_KERNELS", "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+        assert not kernels.supports(torch.device("cpu"), torch.float32, 64, 1)
+    finally:
+        monkeypatch.undo()
+        kernels.load.cache_clear()
+    assert kernels.load() is not None
