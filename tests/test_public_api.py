@@ -32,6 +32,7 @@ PUBLIC = {
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TGEngineError",
     "open_engine",
 }

@@ -19,6 +19,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .state import EngineState
 from .stats import EngineStats
+from .structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "CacheNotReadyError",
@@ -36,6 +37,7 @@ __all__ = [
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TGEngineError",
     "open_engine",
 ]

@@ -36,6 +36,8 @@ from .sequence import Sequence
 from .state import MEMORY_TAGS, EngineState
 from .stats import Counters, EngineStats
 from .stream import RequestStream
+from .structured_outputs.compiler import GrammarCompiler
+from .structured_outputs.matcher import GrammarMatcher
 from .tokenizer import load_tokenizer
 
 PauseMode = Literal["abort", "drain", "keep"]
@@ -64,6 +66,7 @@ class Engine:
         self._held: list[Request] = []
         self._weight_version = 0
         self._tokenizer: Any = None
+        self._grammars: GrammarCompiler | str | None = None  # str: why there is none
         self._control_lock = anyio.Lock()
         self._stop_event = anyio.Event()
         self._stop_grace = 0.0
@@ -92,6 +95,7 @@ class Engine:
                     load_tokenizer, self.config.tokenizer or self.config.model
                 )
                 await tg.start(self._loop.run)
+                self._grammars = await anyio.to_thread.run_sync(self._grammar_compiler)
                 self._attach_hooks()
                 if self._state is S.STARTING:
                     self._state = S.RUNNING
@@ -173,9 +177,11 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
         elif request_id in tracker.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        grammar = self._grammar_matcher(params)
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
         detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, stop=params.stop)
         request = Request(Sequence(request_id, token_ids), params, detokenizer, send, receive)
+        request.grammar = grammar
         tracker.add(request)
         self._counters.prompt_tokens += len(token_ids)
         if self._state is S.RUNNING:
@@ -184,6 +190,22 @@ class Engine:
         else:
             self._held.append(request)
         return request
+
+    def _grammar_compiler(self) -> GrammarCompiler | str:
+        """The compiler of structured outputs, or why this tokenizer cannot have one."""
+        mc = self.model_config
+        try:
+            return GrammarCompiler(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
+        except ValueError as exc:
+            return str(exc)
+
+    def _grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A matcher for the request's constraint (compiled here, cached); None if free."""
+        if params.structured_outputs is None:
+            return None
+        if not isinstance(self._grammars, GrammarCompiler):
+            raise InvalidRequestError("structured_outputs", str(self._grammars))
+        return self._grammars.matcher(params.structured_outputs)
 
     def _check_admission(self) -> None:
         state = self._state

@@ -13,6 +13,7 @@ from .model_agent import AgentInfo
 from .requests import Request, RequestTracker
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .step import SeqStep, StepBatch
+from .structured_outputs.bitmasks import BitmaskJob, fill_bitmasks
 
 
 class StepTimeoutError(TimeoutError):
@@ -127,6 +128,7 @@ class EngineLoop:
             self._work = anyio.Event()
             return False
         step = self._step_batch(batch)
+        await self._fill_token_bitmasks(step)
         timeout = self.config.step_timeout
         try:
             with anyio.fail_after(timeout) if timeout is not None else _no_deadline():
@@ -160,6 +162,36 @@ class EngineLoop:
             )
         finished, self._finished_ids = self._finished_ids, []
         return StepBatch(seqs, finished)
+
+    async def _fill_token_bitmasks(self, step: StepBatch) -> None:
+        """Give each constrained sequence that samples its mask of allowed tokens.
+
+        Off the event loop: the matchers first replay the tokens they have not seen
+        (after a preemption, nothing; a restarted matcher, all of them). A sequence whose
+        tokens the grammar rejects ends with an error instead.
+        """
+        assert self.tracker is not None and self.info is not None
+        jobs: list[BitmaskJob] = []
+        rows: dict[str, SeqStep] = {}
+        for seq_step in step.seqs:
+            request = self.tracker.get(seq_step.seq_id)
+            if seq_step.params is None or request is None or request.grammar is None:
+                continue
+            completion = request.seq.completion_token_ids
+            jobs.append(BitmaskJob(seq_step.seq_id, request.grammar, completion))
+            rows[seq_step.seq_id] = seq_step
+        if not jobs:
+            return
+        vocab_size = self.info.model_config.vocab_size
+        filled = await anyio.to_thread.run_sync(fill_bitmasks, jobs, vocab_size)
+        for i, seq_id in enumerate(filled.seq_ids):
+            rows[seq_id].token_bitmask = filled.bitmask[i]
+        for seq_id, error in filled.errors.items():
+            request = self.tracker.get(seq_id)
+            if request is not None:
+                self.tracker.finish(
+                    request, "error", error=error, weight_version=self._weight_version()
+                )
 
 
 def _no_deadline() -> anyio.CancelScope:

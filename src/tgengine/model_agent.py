@@ -241,7 +241,11 @@ class ModelAgent:
             sampling = [s for s in seqs if s.params is not None]
             if not sampling:
                 return
-            rows = [SamplingRow(s.params, self._generator(s)) for s in sampling if s.params]
+            rows = [
+                SamplingRow(s.params, self._generator(s), s.token_bitmask)
+                for s in sampling
+                if s.params
+            ]
             sampled = self._sampler(logits, rows)
         for i, seq in enumerate(sampling):
             result.token_ids[seq.seq_id] = sampled.token_ids[i]

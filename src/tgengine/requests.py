@@ -18,6 +18,7 @@ from .outputs import FinishReason, RequestOutput
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .step import StepResult
+from .structured_outputs.matcher import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -31,6 +32,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    grammar: GrammarMatcher | None = None  # set when the output is constrained
 
     @property
     def request_id(self) -> str:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .sampling import SamplingParams
+from .structured_outputs.grammar_mask import GrammarMask
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,13 @@ class SamplingRow:
 
     ``generator`` is the request's own generator, present iff ``params.seed`` is set; the
     caller creates it once per request (``manual_seed(seed)``) and keeps it across steps.
-    It may live on the CPU or on the logits' device.
+    It may live on the CPU or on the logits' device. ``token_bitmask`` is the row's mask
+    of allowed tokens when its output is constrained (structured outputs).
     """
 
     params: SamplingParams
     generator: torch.Generator | None = None
+    token_bitmask: Any = None
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,8 @@ class SampleResult:
     """The tokens picked for each row, in row order.
 
     ``logprobs`` is ``None`` unless some row asked for them; then it holds, for every row,
-    the log-probability of its token under the model's raw distribution (before
-    temperature, top-k and top-p).
+    the log-probability of its token under the model's raw distribution (before the
+    grammar mask, temperature, top-k and top-p).
     """
 
     token_ids: list[int]
@@ -51,12 +55,17 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._grammar_mask = GrammarMask()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Pick one token for each row of ``logits`` (``[len(rows), vocab]``, float32)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()  # a no-op for float32; noise in half precision would be coarse
+        raw_logprobs = None
+        if any(row.params.logprobs for row in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_grammar_mask(logits, rows)
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled:
             token_ids = logits.argmax(dim=-1)
@@ -67,10 +76,23 @@ class Sampler:
             index = torch.tensor(sampled, device=logits.device)
             token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
         logprobs = None
-        if any(row.params.logprobs for row in rows):
-            picked = torch.log_softmax(logits, dim=-1).gather(1, token_ids.unsqueeze(1))
+        if raw_logprobs is not None:
+            picked = raw_logprobs.gather(1, token_ids.unsqueeze(1))
             logprobs = picked.squeeze(1).tolist()
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _apply_grammar_mask(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> torch.Tensor:
+        constrained = [i for i, row in enumerate(rows) if self._grammar_mask.is_active(row)]
+        if not constrained:
+            return logits
+        if len(constrained) == len(rows):
+            return self._grammar_mask.apply(logits, rows)
+        index = torch.tensor(constrained, device=logits.device)
+        picked = [rows[i] for i in constrained]
+        logits[index] = self._grammar_mask.apply(logits[index], picked)
+        return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import InvalidRequestError
+from .structured_outputs import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        so = StructuredOutputsParams.coerce(self.structured_outputs)
+        object.__setattr__(self, "structured_outputs", so)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

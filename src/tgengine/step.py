@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sampling import SamplingParams
 
@@ -12,7 +13,9 @@ class SeqStep:
     """One sequence's part of a step: compute ``token_ids`` at ``start_pos`` onward.
 
     ``params`` is set when a token is sampled after this step (the last prompt chunk
-    or a decode); ``None`` for a prompt chunk that is not the last.
+    or a decode); ``None`` for a prompt chunk that is not the last. ``token_bitmask``
+    (int32 words, bit ``t`` set when token ``t`` is allowed) is set when the sequence's
+    output is constrained (structured outputs).
     """
 
     seq_id: str
@@ -20,6 +23,7 @@ class SeqStep:
     start_pos: int
     block_table: list[int]
     params: SamplingParams | None = None
+    token_bitmask: Any = None  # numpy int32 row, or None when unconstrained
 
 
 @dataclass
