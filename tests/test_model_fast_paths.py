@@ -151,6 +151,22 @@ def test_prepacked_weights_are_dropped_when_weights_change() -> None:
     torch.testing.assert_close(gemm.linear(x, weight), F.linear(x, weight), atol=0.05, rtol=0.02)
 
 
+def test_upcast_products_match_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the CPU has no native bf16 products, bf16 weights are widened a few rows at a time:
+    # the chunks together give the float32 product of the bf16 values, rounded once.
+    from tgengine.models import gemm as gemm_module
+
+    monkeypatch.setattr(gemm_module, "UPCAST_CHUNK", 64 * 10)  # 10 rows of 64 per chunk
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    got = gemm_module._upcast_linear(x, weight, bias)
+    want = F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
 def test_kv_cache_is_head_major_underneath(tiny_llama_dir: Path) -> None:
     config = load_model_config(tiny_llama_dir)
     cache = KVCache.allocate(config, 6, BLOCK_SIZE, torch.float32, "cpu")

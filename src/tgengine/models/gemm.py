@@ -6,6 +6,10 @@
   and cached (1.3-2.4x faster than ``F.linear`` for 8-64 rows). Opt-in, because the cache is a
   copy of the weights: whoever changes the weights (an update in place, sleep, wakeup) must
   call ``weights_changed()``, or the cache would keep serving the old ones.
+- 3 or more rows in bf16/fp16 on a CPU without native half-precision matrix instructions
+  (AVX2 and older: oneDNN then refuses to pack, and its bf16 products run 3-8x slower than
+  float32): the weight is widened to float32 a slice of rows at a time (``UPCAST_CHUNK``
+  elements, a transient buffer, never a second resident copy) and multiplied in float32.
 - Everything else (prefill, float32, other devices): ``F.linear``.
 
 All paths compute the same products; only the kernels differ.
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 2
 PACK_MAX_ROWS = 128
+UPCAST_CHUNK = 4 * 1024 * 1024  # weight elements widened at once: 16 MiB of float32
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -72,7 +77,9 @@ class Gemm:
                 return F.linear(x, weight, bias)
             finally:
                 torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
-        if self.prepack and rows <= PACK_MAX_ROWS and can_prepack(x.dtype):
+        if not can_prepack(x.dtype):
+            return _upcast_linear(x, weight, bias)
+        if self.prepack and rows <= PACK_MAX_ROWS:
             packed = self._packed_weight(weight)
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
@@ -86,3 +93,17 @@ class Gemm:
             self._packed[key] = packed
             self.packed_bytes += packed.numel() * packed.element_size()
         return packed
+
+
+def _upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` computed in float32, the weight widened a block of output rows at a time."""
+    x32 = x.float()
+    step = max(1, UPCAST_CHUNK // max(1, weight.shape[1]))
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        part = F.linear(x32, weight[rows].float(), None if bias is None else bias[rows].float())
+        out[:, rows] = part
+    return out
