@@ -87,10 +87,19 @@ def measure_machine(
     seconds = 0.1 if quick else _MEASURE_SECONDS
     matmul: dict[str, float] = {}
     with torch.inference_mode():
+        # Half-precision weights may be multiplied in float32 where that is faster (CPUs
+        # without native bf16 products, see models.gemm): the floor is the faster of the two.
+        dtypes = [dtype]
+        if device.type == "cpu" and dtype != torch.float32:
+            dtypes.append(torch.float32)
         for name, (m, n, k) in _gemm_shapes(device, hidden, intermediate, quick).items():
-            a = torch.randn(m, k, device=device).to(dtype)
-            b = torch.randn(n, k, device=device).to(dtype)
-            matmul[name] = _rate(partial(torch.matmul, a, b.T), 2.0 * m * n * k, device, seconds)
+            for kind in dtypes:
+                a = torch.randn(m, k, device=device).to(kind)
+                b = torch.randn(n, k, device=device).to(kind)
+                label = name if kind == dtype else f"{name} in float32"
+                matmul[label] = _rate(
+                    partial(torch.matmul, a, b.T), 2.0 * m * n * k, device, seconds
+                )
         size = (1 << 30) if device.type == "cuda" else (512 << 20)
         if quick:
             size = 32 << 20
