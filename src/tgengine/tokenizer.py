@@ -17,11 +17,18 @@ def load_tokenizer(path: str) -> Any:
         raise ModelLoadError(path, f"no usable tokenizer ({type(exc).__name__}: {exc})") from exc
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template, ready to generate."""
+def chat_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, ready to generate.
+
+    ``tools`` (OpenAI tool definitions) reach the template as its ``tools`` variable.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # as tool_parsers.CHOICES
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -12,6 +14,8 @@ class ServerConfig:
     ``port=0`` binds a free port (``Server.run`` reports the real one). ``api_key`` guards
     every route; ``admin_key`` enables the management routes and is the only key they
     accept. ``served_model_name`` defaults to the model directory's basename.
+    ``tool_call_parser`` reads tool calls in ``tool_choice="auto"`` answers: ``hermes``,
+    ``llama3_json``, or ``auto`` (picked by the chat template).
     """
 
     host: str = "127.0.0.1"
@@ -25,6 +29,7 @@ class ServerConfig:
     graceful_timeout: float = 5.0
     keep_alive_timeout: float = 5.0
     backlog: int = 1024
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -37,6 +42,8 @@ class ServerConfig:
                 raise ValueError(f"{name}: must not be empty (omit it instead)")
         if self.api_key is not None and self.api_key == self.admin_key:
             raise ValueError("admin_key: must differ from api_key")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("backlog", self.backlog)
         if not isinstance(self.retry_after_seconds, int) or self.retry_after_seconds < 0:

@@ -25,6 +25,8 @@ from .protocol import (
     TokenLogprob,
     Usage,
 )
+from .structured_protocol import FunctionCallOut, ToolCallOut
+from .tools import ToolOutput, new_call_id
 
 UNLIKELY = -9999.0  # what OpenAI reports for a log probability that is -inf
 
@@ -131,18 +133,42 @@ class CompletionFormatter(_Base):
 
 
 class ChatFormatter(_Base):
+    """Chat bodies; with ``tools`` the answer is read as tool calls (see ``tools.py``)."""
+
     prefix = "chatcmpl"
+
+    def __init__(
+        self, model: str, tokenizer: Any, logprobs: bool, tools: ToolOutput | None = None
+    ) -> None:
+        super().__init__(model, tokenizer, logprobs)
+        self.tools = tools
 
     def opening(self) -> list[BaseModel]:
         return [self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")))]
 
     def chunk(self, out: RequestOutput) -> BaseModel | None:
+        if self.tools is not None:
+            return self._tool_chunk(out, self.tools)
         if _nothing_to_say(out, self.want_logprobs):
             return None
         logprobs = self._logprobs(out.token_ids, out.logprobs) if self.want_logprobs else None
         delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
         choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=out.finish_reason)
         return self._chunk(choice)
+
+    def _tool_chunk(self, out: RequestOutput, tools: ToolOutput) -> BaseModel | None:
+        deltas = tools.feed(out.text)
+        if out.finished:
+            end = tools.finish()
+            deltas.content += end.content
+            deltas.tool_calls += end.tool_calls
+        news = deltas.content or deltas.tool_calls or out.finished
+        if not news and not (self.want_logprobs and out.token_ids):
+            return None
+        logprobs = self._logprobs(out.token_ids, out.logprobs) if self.want_logprobs else None
+        delta = ChatDelta(content=deltas.content or None, tool_calls=deltas.tool_calls or None)
+        reason = _with_calls(out.finish_reason, tools)
+        return self._chunk(ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason))
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
@@ -151,11 +177,19 @@ class ChatFormatter(_Base):
 
     def whole(self, acc: Accumulated) -> BaseModel:
         logprobs = self._logprobs(acc.token_ids, acc.logprobs) if self.want_logprobs else None
-        choice = ChatChoice(
-            message=AssistantMessage(content=acc.text),
-            logprobs=logprobs,
-            finish_reason=acc.finish_reason,
-        )
+        message = AssistantMessage(content=acc.text)
+        reason = acc.finish_reason
+        if self.tools is not None:
+            answer = self.tools.whole(acc.text)
+            calls = [
+                ToolCallOut(
+                    id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments)
+                )
+                for c in answer.calls
+            ]
+            message = AssistantMessage(content=answer.content, tool_calls=calls)
+            reason = _with_calls(reason, self.tools)
+        choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=reason)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=acc.usage()
         )
@@ -172,3 +206,10 @@ class ChatFormatter(_Base):
             for text, value in zip(texts, logprobs or [], strict=False)
         ]
         return ChatLogprobs(content=content)
+
+
+def _with_calls(reason: FinishReason | None, tools: ToolOutput) -> Any:
+    """``stop`` becomes ``tool_calls`` once the answer made calls (``auto``, ``required``)."""
+    if reason == "stop" and tools.made_calls:
+        return tools.finish_reason_for_calls
+    return reason

@@ -66,6 +66,7 @@ class Generation:
     retry_after: int
     include_usage: bool = False
     prompt_param: str = "prompt"  # what the client called the prompt ("messages" for chat)
+    constraint_param: str = "structured_outputs"  # where the constraint came from
 
     def response(self, *, stream: bool) -> Response:
         return RacedResponse(self.stream if stream else self.complete)
@@ -126,6 +127,8 @@ class Generation:
         if isinstance(exc, InvalidRequestError):
             if exc.field == "prompt":
                 error.param = self.prompt_param
+            elif exc.field == "structured_outputs":
+                error.param = self.constraint_param
             return error
         if error.status != 503:  # e.g. not started yet: unavailable all the same
             error = unavailable(str(exc), "engine_unavailable", self.retry_after)

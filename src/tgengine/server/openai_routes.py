@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from ..sampling import SamplingParams
+from ..structured_outputs import StructuredOutputsParams
 from ..tokenizer import chat_prompt
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
@@ -25,6 +26,9 @@ from .protocol import (
     ModelList,
     SamplingFields,
 )
+from .structured import requested_constraint
+from .tool_parsers import pick_parser
+from .tools import plan_tools, template_messages
 
 try:
     from jinja2 import TemplateError
@@ -85,9 +89,14 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def completions(body: CompletionRequest) -> Response:
         """Complete a prompt (a string or token ids)."""
         _check_model(ctx, body.model)
-        params = _sampling_params(body, body.max_tokens or 16, logprobs=body.logprobs is not None)
+        constraint, constraint_param = requested_constraint(body)
+        params = _sampling_params(
+            body, body.max_tokens or 16, logprobs=body.logprobs is not None, constraint=constraint
+        )
         formatter = CompletionFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
-        return _generation(ctx, body, body.prompt, params, formatter)
+        return _generation(
+            ctx, body, body.prompt, params, formatter, constraint_param=constraint_param
+        )
 
     @router.post(
         "/chat/completions",
@@ -99,17 +108,38 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         _check_model(ctx, body.model)
         if ctx.engine.tokenizer is None:
             raise unavailable("the engine has not started", "engine_unavailable", ctx.retry_after)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokenizer = ctx.engine.tokenizer
+        parser = pick_parser(ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        plan = plan_tools(body, parser)
+        constraint, constraint_param = requested_constraint(body)
+        if plan.constraint is not None:
+            if constraint is not None:
+                message = (
+                    f"tool_choice {body.tool_choice!r} cannot be combined with {constraint_param}"
+                )
+                raise invalid("tool_choice", message)
+            constraint, constraint_param = plan.constraint, "tool_choice"
+        messages = template_messages(body.messages)
         try:
-            prompt = chat_prompt(ctx.engine.tokenizer, messages)
+            prompt = chat_prompt(tokenizer, messages, plan.tools)
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise invalid("messages", f"messages: cannot apply the chat template: {exc}") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
-        params = _sampling_params(body, max_tokens, logprobs=bool(body.logprobs))
-        formatter = ChatFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
-        return _generation(ctx, body, prompt, params, formatter, prompt_param="messages")
+        params = _sampling_params(
+            body, max_tokens, logprobs=bool(body.logprobs), constraint=constraint
+        )
+        formatter = ChatFormatter(ctx.model_name, tokenizer, params.logprobs, plan.output)
+        return _generation(
+            ctx,
+            body,
+            prompt,
+            params,
+            formatter,
+            prompt_param="messages",
+            constraint_param=constraint_param,
+        )
 
     return router
 
@@ -124,7 +154,13 @@ def _check_model(ctx: ServerContext, model: str) -> None:
         )
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool) -> SamplingParams:
+def _sampling_params(
+    body: SamplingFields,
+    max_tokens: int,
+    *,
+    logprobs: bool,
+    constraint: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     return SamplingParams(  # raises InvalidRequestError (→ 400) naming the field
@@ -137,6 +173,7 @@ def _sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool) -
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        structured_outputs=constraint,
     )
 
 
@@ -147,6 +184,7 @@ def _generation(
     params: SamplingParams,
     formatter: Formatter,
     prompt_param: str = "prompt",
+    constraint_param: str = "structured_outputs",
 ) -> Response:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         raise invalid("prompt", "prompt: batches of prompts are not supported")
@@ -160,5 +198,6 @@ def _generation(
         retry_after=ctx.config.retry_after_seconds,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         prompt_param=prompt_param,
+        constraint_param=constraint_param,
     )
     return generation.response(stream=bool(body.stream))

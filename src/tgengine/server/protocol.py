@@ -13,11 +13,21 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .structured_protocol import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallOut,
+    ToolChoice,
+    ToolSpec,
+)
+
 MAX_TOKENS_LIMIT = 2**31 - 1
 SEED_LIMIT = 2**63 - 1
 MAX_STOP = 4
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class StrictModel(BaseModel):
@@ -58,6 +68,10 @@ class SamplingFields(StrictModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = (
         Field(None, description="tgengine extension.")
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = Field(
+        None, description="vLLM's extra body: one of json, json_object, regex, choice, grammar."
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -85,12 +99,14 @@ class TextPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's tool calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
@@ -102,6 +118,9 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="Only 0.")
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 # -- responses --------------------------------------------------------------------------
@@ -149,7 +168,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -171,6 +191,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -64,7 +64,7 @@ def _grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if params.json is not None:
-            schema = json.loads(params.json)
+            schema = json.loads(str(params.json))  # canonical text since __post_init__
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if params.json_object:
             schema = {"type": "object"}

@@ -25,7 +25,7 @@ class StructuredOutputsParams:
     when it is compiled against the tokenizer (``InvalidRequestError`` naming the problem).
     """
 
-    json: str | None = None
+    json: str | dict[str, Any] | None = None  # kept as canonical JSON text
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
