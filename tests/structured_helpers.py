@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from typing import Any
 
@@ -52,3 +53,46 @@ def check_output(kind: str, text: str) -> None:
 
 def text_of(chunks: list[RequestOutput]) -> str:
     return "".join(c.text for c in chunks)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """A random object schema a random model can finish: strings and arrays are bounded,
+    no extra keys; types, enums, consts, anyOf, nesting and optional keys vary."""
+    properties: dict[str, Any] = {}
+    for i in range(rng.randint(1, 4)):
+        properties[f"k{i}"] = _random_value_schema(rng, depth)
+    required = [k for k in properties if rng.random() < 0.7]
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def _random_value_schema(rng: random.Random, depth: int) -> dict[str, Any]:
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const", "pattern"]
+    if depth < 2:
+        kinds += ["array", "object", "anyOf"]
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+    if kind == "integer":
+        low = rng.randint(-100, 100)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 1000)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind in ("boolean", "null"):
+        return {"type": kind}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, True, None], rng.randint(1, 4))}
+    if kind == "const":
+        return {"const": rng.choice(["fixed", 7, False])}
+    if kind == "pattern":
+        return {"type": "string", "pattern": "^[A-Z][a-z]{1,4}-[0-9]{2}$"}
+    if kind == "array":
+        items = _random_value_schema(rng, depth + 1)
+        return {"type": "array", "items": items, "minItems": 0, "maxItems": rng.randint(1, 3)}
+    if kind == "object":
+        return random_schema(rng, depth + 1)
+    return {"anyOf": [_random_value_schema(rng, depth + 1) for _ in range(2)]}

@@ -68,9 +68,8 @@ class ToolCallStream:
             if not self._at_start:
                 return None
             stripped = self._held.lstrip()
-            offset = len(self._held) - len(stripped)
             hit = any(stripped.startswith(m) for m in self.parser.markers)
-            return offset if hit else None
+            return 0 if hit else None  # the leading whitespace belongs to the calls
         found = [i for i in (self._held.find(m) for m in self.parser.markers) if i >= 0]
         return min(found) if found else None
 
