@@ -77,3 +77,10 @@ def test_parser_is_picked_by_the_chat_template() -> None:
     assert pick_parser("auto", None).name == "hermes"
     assert pick_parser("llama3_json", "<tool_call>").name == "llama3_json"
     assert json.loads(WEATHER.arguments) == {"city": "Paris"}
+
+
+def test_server_config_names_every_parser() -> None:
+    from tgengine.server.config import TOOL_CALL_PARSERS
+    from tgengine.server.tool_parsers import CHOICES
+
+    assert TOOL_CALL_PARSERS == CHOICES

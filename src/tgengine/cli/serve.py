@@ -14,6 +14,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import TGEngineError
 from ..server import Server, ServerConfig
+from ..server.config import TOOL_CALL_PARSERS
 from ..server.context import served_name
 from .common import add_engine_options, engine_config, fail
 from .signals import stop_on_signals
@@ -75,6 +76,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["reject", "wait"],
         help="requests while asleep: 503, or hold them until wakeup (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=DEFAULTS.tool_call_parser,
+        choices=list(TOOL_CALL_PARSERS),
+        help="the tool-call format of tool_choice=auto answers; auto: by the chat template "
+        "(default: %(default)s)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -89,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             admin_key=args.admin_key or None,
             max_body_bytes=args.max_body_bytes,
             health_stall_seconds=args.health_stall_seconds,
+            tool_call_parser=args.tool_call_parser,
         )
         anyio.run(partial(_serve, config, server_config, args.shutdown_grace), backend=args.backend)
     except (TGEngineError, ValueError, OSError) as exc:
