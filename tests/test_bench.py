@@ -146,3 +146,15 @@ def test_parity_then_summary(
     assert args.handler(args) == 0
     table = capsys.readouterr().out
     assert "greedy tokens equal transformers (float32)" in table
+
+
+def test_structured(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench("structured", tiny_llama_dir, tmp_path, capsys=capsys)
+    free, constrained = result["rows"]
+    assert free["num_steps"] > 0 and constrained["num_steps"] > 0
+    assert free["grammar_fill_ms"] == free["grammar_mask_ms"] == 0.0
+    assert constrained["grammar_fill_ms"] > 0 and constrained["grammar_mask_ms"] > 0
+    assert result["constrained_finish_reasons"] == ["length"]  # the schema cannot end early
+    assert {"tokenizer_preparation", "person_first", "order_cached"} <= result["compile_ms"].keys()

@@ -167,11 +167,12 @@ def _wrap(profiler: StepProfiler, name: str, fn: Callable[..., Any]) -> Callable
 
 
 @contextlib.contextmanager
-def profile_steps() -> Iterator[StepProfiler]:
+def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[StepProfiler]:
     """Time the model forward and the engine's per-step helpers while the block runs.
 
     Instrumentation for the bench only: it wraps functions of tgengine's modules in place and
     restores them on exit. A helper that does not exist (renamed) is simply not timed.
+    ``extra`` names more helpers to time: ``(module or class, attribute, name)``.
     """
     from .. import detokenizer, model_agent, sampler, scheduler
     from ..models import llama
@@ -207,6 +208,8 @@ def profile_steps() -> Iterator[StepProfiler]:
     patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")
     patch(scheduler.Scheduler, "schedule", "schedule")
     patch(scheduler.Scheduler, "update_after_step", "update_after_step")
+    for owner, attr, name in extra:
+        patch(owner, attr, name)
     try:
         yield profiler
     finally:

@@ -214,12 +214,31 @@ def _parity(result: dict[str, Any]) -> str:
     return out
 
 
+def _structured(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("run", "run"),
+            ("num_steps", "steps"),
+            ("step_ms", "step ms"),
+            ("forward_ms", "forward ms"),
+            ("sample_ms", "sample ms"),
+            ("grammar_fill_ms", "fill masks ms"),
+            ("grammar_mask_ms", "apply masks ms"),
+        ],
+    )
+    compile_ms = ", ".join(f"{k} {v:.1f}" for k, v in result["compile_ms"].items())
+    reasons = ", ".join(result["constrained_finish_reasons"])
+    return f"{out}\ncompile ms: {compile_ms}\nconstrained requests ended with: {reasons}"
+
+
 _RENDERERS = {
     "throughput": _throughput,
     "batch32": _batch32,
     "latency": _latency,
     "lifecycle": _lifecycle,
     "parity": _parity,
+    "structured": _structured,
 }
 
 
@@ -299,6 +318,18 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                 [100 * r["matched_prefix"] / max(1, r["num_tokens"]) for r in rows],
             )
             axes[0 if dtype == "float32" else 1].set_title(f"{dtype}: % of tokens equal")
+    elif kind == "structured":
+        rows = result["rows"]
+        parts = ["forward_ms", "sample_ms", "grammar_fill_ms", "grammar_mask_ms"]
+        names = [r["run"] for r in rows]
+        for part in parts:
+            axes[0].bar(names, [r[part] for r in rows], label=part)
+        axes[0].set_ylabel("ms per decode step (not stacked)")
+        axes[0].legend()
+        compile_ms = result["compile_ms"]
+        axes[1].barh(list(compile_ms), list(compile_ms.values()), color="tab:purple")
+        axes[1].set_xlabel("ms")
+        axes[1].invert_yaxis()
     elif kind == "lifecycle":
         ops = result["seconds"]
         axes[0].barh(list(ops), list(ops.values()), color="tab:green")

@@ -1,4 +1,4 @@
-"""``python -m tgengine bench throughput | latency | lifecycle | batch32``.
+"""``python -m tgengine bench throughput | latency | lifecycle | batch32 | parity | structured``.
 
 Each subcommand runs one bench (``tgengine.bench``) in this process, prints its table, and
 with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
@@ -156,6 +156,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.set_defaults(handler=run, runner=_batch32)
 
+    p = benches.add_parser(
+        "structured", help="structured outputs: the grammar's share of a decode step, compiles"
+    )
+    _common(p)
+    p.add_argument("--num-requests", type=int, help="all constrained (default: 32)")
+    p.add_argument("--prompt-len", type=int, help="default: 32")
+    p.add_argument("--max-tokens", type=int, help="default: 32")
+    p.set_defaults(handler=run, runner=_structured)
+
 
 def _pick(value: Any, normal: Any, quick: Any, args: argparse.Namespace) -> Any:
     if value is not None:
@@ -209,6 +218,18 @@ def _batch32(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         max_tokens=_pick(args.max_tokens, 64, 6, args),
         seed=args.seed,
         systems=args.systems,
+    )
+
+
+def _structured(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.structured import run_structured
+
+    return run_structured(
+        setup,
+        num_requests=_pick(args.num_requests, 32, 4, args),
+        prompt_len=_pick(args.prompt_len, 32, 8, args),
+        max_tokens=_pick(args.max_tokens, 32, 6, args),
+        seed=args.seed,
     )
 
 
