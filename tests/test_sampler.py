@@ -169,10 +169,10 @@ def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_picked_token() -> Non
         SamplingRow(SamplingParams(temperature=0.0, logprobs=True)),
     ]
     result = Sampler(seed=0)(logits, rows)
-    assert result.logprobs is not None and len(result.logprobs) == 5
+    assert result.logprobs is not None and len(result.logprobs.chosen) == 5
     expected = torch.log_softmax(logits, dim=-1)
     for i, token in enumerate(result.token_ids):
-        assert result.logprobs[i] == pytest.approx(expected[i, token].item(), abs=1e-6)
+        assert result.logprobs.chosen[i] == pytest.approx(expected[i, token].item(), abs=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [1e-3, 1e-6, 1e-30, 1e-45])

@@ -42,6 +42,8 @@ class BlockManager:
     registered only once its KV is computed (``mark_computed``); a freed block keeps its
     registration until it is reused for other content, so later requests can still hit it.
     A hit compares the cached tokens too, so a hash collision is a miss, never wrong KV.
+    ``num_queried_tokens`` and ``num_hit_tokens`` count, over every allocation, the tokens
+    looked up in the prefix cache and those found there (vLLM's prefix cache metrics).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -49,6 +51,8 @@ class BlockManager:
         _check_positive("block_size", block_size)
         self._block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
         self._init_blocks(num_blocks)
 
     def _init_blocks(self, num_blocks: int) -> None:
@@ -103,6 +107,9 @@ class BlockManager:
         for _ in range(self._num_missing_blocks(seq)):
             seq.block_table.append(self._take_free())
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self._block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``append_slot(seq)`` would find enough free blocks now."""
@@ -191,7 +198,7 @@ class BlockManager:
 
     def _find_hits(self, seq: Sequence) -> list[tuple[int, int]]:
         hits: list[tuple[int, int]] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuse_cached_prefix:
             return hits
         size = self._block_size
         parent_hash: int | None = None

@@ -15,7 +15,6 @@ import torch
 from ._faults import FaultInjector
 from ._groups import root_cause
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineLoop
 from .errors import (
     EngineDeadError,
@@ -29,10 +28,9 @@ from .executor import UniExecutor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
-from .requests import Request, RequestTracker
+from .requests import Request, RequestTracker, new_requests
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
 from .state import MEMORY_TAGS, EngineState
 from .stats import Counters, EngineStats
 from .stream import RequestStream
@@ -163,33 +161,37 @@ class Engine:
         cancelling the consumer, or dropping the stream aborts the request and frees its
         KV blocks at once.
         """
-        request = self._admit(prompt, params or SamplingParams(), request_id)
-        return RequestStream(request, lambda r: self._finish(r, "abort"))
+        return self._admit(prompt, params or SamplingParams(), request_id)
 
     def _admit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None
-    ) -> Request:
+    ) -> RequestStream:
         self._check_admission()
         tracker = self._loop.tracker
         assert tracker is not None
         token_ids = self._encode(prompt)
+        self._check_token_ids(params)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif request_id in tracker.requests:
+        elif tracker.is_in_use(request_id):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         grammar = self._grammar_matcher(params)
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
-        detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, stop=params.stop)
-        request = Request(Sequence(request_id, token_ids), params, detokenizer, send, receive)
-        request.grammar = grammar
-        tracker.add(request)
+        requests = new_requests(request_id, token_ids, params, self._tokenizer, send)
+        if any(tracker.is_in_use(r.request_id) for r in requests):
+            receive.close()
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        for request in requests:
+            request.grammar = grammar if request.index == 0 else self._grammar_matcher(params)
+            tracker.add(request)
         self._counters.prompt_tokens += len(token_ids)
         if self._state is S.RUNNING:
-            self._scheduler.add(request.seq)
+            for request in requests:
+                self._scheduler.add(request.seq)
             self._loop.notify()
         else:
-            self._held.append(request)
-        return request
+            self._held.extend(requests)
+        return RequestStream(requests, receive, lambda r: self._finish(r, "abort"))
 
     def _grammar_compiler(self) -> GrammarCompiler | str:
         """The compiler of structured outputs, or why this tokenizer cannot have one."""
@@ -241,11 +243,21 @@ class Engine:
             )
         return token_ids
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        checked = {"logit_bias": params.logit_bias or {}, "stop_token_ids": params.stop_token_ids}
+        for name, ids in checked.items():
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    name, f"token id {bad[0]} is out of vocabulary (vocabulary size {vocab})"
+                )
+
     def abort(self, request_id: str) -> None:
-        """End a request with ``finish_reason="abort"`` and free its blocks. Unknown ids: no-op."""
+        """End a request (all its ``n`` sequences) with ``finish_reason="abort"`` and free its
+        blocks. Unknown ids: no-op."""
         tracker = self._loop.tracker
-        request = tracker.get(request_id) if tracker else None
-        if request is not None:
+        for request in reversed(tracker.group(request_id)) if tracker else []:
             self._finish(request, "abort")
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
@@ -430,6 +442,8 @@ class Engine:
             generation_tokens_total=c.generation_tokens,
             num_preemptions_total=self._loop.num_preemptions,
             finished_total=dict(c.finished),
+            prefix_cache_queries_total=blocks.num_queried_tokens if blocks else 0,
+            prefix_cache_hits_total=blocks.num_hit_tokens if blocks else 0,
         )
 
     @property

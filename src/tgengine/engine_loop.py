@@ -12,6 +12,7 @@ from .executor import Executor
 from .model_agent import AgentInfo
 from .requests import Request, RequestTracker
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .sequence import Sequence
 from .step import SeqStep, StepBatch
 from .structured_outputs.bitmasks import BitmaskJob, fill_bitmasks
 
@@ -147,19 +148,8 @@ class EngineLoop:
         assert self.tracker is not None
         seqs = []
         for i, seq in enumerate(batch.seqs):
-            n = batch.num_new_tokens[i]
-            start = seq.num_computed_tokens
             request = self.tracker.get(seq.seq_id)
-            params = request.params if request is not None and batch.needs_sample(i) else None
-            seqs.append(
-                SeqStep(
-                    seq.seq_id,
-                    seq.token_ids[start : start + n],
-                    start,
-                    list(seq.block_table),
-                    params,
-                )
-            )
+            seqs.append(_seq_step(seq, batch.num_new_tokens[i], request, batch.needs_sample(i)))
         finished, self._finished_ids = self._finished_ids, []
         return StepBatch(seqs, finished)
 
@@ -192,6 +182,23 @@ class EngineLoop:
                 self.tracker.finish(
                     request, "error", error=error, weight_version=self._weight_version()
                 )
+
+
+def _seq_step(seq: Sequence, n: int, request: Request | None, sample: bool) -> SeqStep:
+    start = seq.num_computed_tokens
+    step = SeqStep(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table))
+    if request is None:
+        return step
+    params = request.params
+    if sample:
+        step.params = params
+        if params.needs_token_history:
+            step.history = list(seq.token_ids)
+            step.num_prompt_tokens = seq.num_prompt_tokens
+    if request.wants_prompt_logprobs and start + 1 < seq.num_prompt_tokens:
+        step.prompt_targets = seq.token_ids[start + 1 : min(start + n + 1, seq.num_prompt_tokens)]
+        step.prompt_logprobs = params.prompt_logprobs or 0
+    return step
 
 
 def _no_deadline() -> anyio.CancelScope:

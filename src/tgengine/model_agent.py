@@ -20,6 +20,7 @@ import torch
 from ._faults import FaultInjector
 from .config import EngineConfig
 from .errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
+from .logits_processors import default_processors
 from .model_inputs import prepare_inputs
 from .models import (
     CausalLM,
@@ -32,8 +33,9 @@ from .models import (
     resolve_dtype,
     weight_specs,
 )
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
+from .step_sampler import sample_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,6 +162,8 @@ class ModelAgent:
         if cfg.num_threads or device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or _default_cpu_threads())
         self._model = load_model(model_config, cfg.model, dtype, device)
+        eos = frozenset(model_config.eos_token_ids)
+        self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))
         self._model.gemm.prepack = cfg.prepack_weights
         self._weights_resident = True
         self._specs = weight_specs(self._model)
@@ -238,19 +242,7 @@ class ModelAgent:
         with torch.inference_mode():
             inputs = prepare_inputs(seqs, self._kv.block_size, device)
             logits = self._model(inputs, self._kv)
-            sampling = [s for s in seqs if s.params is not None]
-            if not sampling:
-                return
-            rows = [
-                SamplingRow(s.params, self._generator(s), s.token_bitmask)
-                for s in sampling
-                if s.params
-            ]
-            sampled = self._sampler(logits, rows)
-        for i, seq in enumerate(sampling):
-            result.token_ids[seq.seq_id] = sampled.token_ids[i]
-            if sampled.logprobs is not None:
-                result.logprobs[seq.seq_id] = sampled.logprobs[i]
+            sample_step(logits, seqs, self._sampler, self._generator, result)
 
     def _generator(self, seq: SeqStep) -> torch.Generator | None:
         if seq.params is None or seq.params.seed is None:

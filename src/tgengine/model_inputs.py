@@ -9,7 +9,12 @@ from .step import SeqStep
 
 
 def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -> ForwardInputs:
-    """Concatenate every sequence's new tokens; single-token queries go to the decode path."""
+    """Concatenate every sequence's new tokens; single-token queries go to the decode path.
+
+    Logits are computed, in sequence order, for each position that predicts a prompt token
+    whose log probability is wanted (``seq.prompt_targets``), then for the last position of
+    each sequence that samples.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -35,6 +40,8 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
         else:
             block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
             prefills.append(PrefillSpan(start, start + n, context_len, block_table))
+        if seq.prompt_targets:
+            logits_rows.extend(range(start, start + len(seq.prompt_targets)))
         if seq.params is not None:
             logits_rows.append(start + n - 1)
     width = max((len(t) for t in decode_tables), default=0)

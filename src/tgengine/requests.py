@@ -8,35 +8,60 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from .detokenizer import IncrementalDetokenizer
 from .outputs import FinishReason, RequestOutput
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .step import StepResult
+from .step import PromptLogprobs, StepResult, TokenInfo
 from .structured_outputs.matcher import GrammarMatcher
 
 
 @dataclass(eq=False)
 class Request:
+    """One sequence of an admitted request (``n > 1``: one of ``n``, sharing ``group_id``).
+
+    ``prompt_logprobs`` collects the prompt's log probabilities (when asked for) until
+    they go out with the first token.
+    """
+
     seq: Sequence
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     send: MemoryObjectSendStream[RequestOutput]
-    receive: MemoryObjectReceiveStream[RequestOutput] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
     grammar: GrammarMatcher | None = None  # set when the output is constrained
+    group_id: str = ""
+    index: int = 0
+    prompt_logprobs: list[TokenInfo | None] | None = None
 
     @property
     def request_id(self) -> str:
         return self.seq.seq_id
+
+    @property
+    def public_id(self) -> str:
+        """The id the caller knows: the group's for ``n > 1``."""
+        return self.group_id or self.seq.seq_id
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log probabilities are asked for and not yet sent."""
+        return self.prompt_logprobs is not None and self.first_token_time is None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:
+            return
+        end = chunk.start + len(chunk.tokens)
+        self.prompt_logprobs[chunk.start : end] = chunk.tokens  # a recompute overwrites
 
     @property
     def finished(self) -> bool:
@@ -46,6 +71,48 @@ class Request:
 FinishHook = Callable[[Request], None]
 
 
+def new_requests(
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    tokenizer: Any,
+    send: MemoryObjectSendStream[RequestOutput],
+) -> list[Request]:
+    """The ``params.n`` sequences of one request, each with its own clone of ``send``.
+
+    With ``n > 1`` sequence ``i`` is ``{request_id}#{i}`` with ``seed + i``, and every
+    sequence after the first waits for the first to compute the prompt (``leader``).
+    """
+    n = params.n
+    requests: list[Request] = []
+    leader: Sequence | None = None
+    for i in range(n):
+        seq_params = params
+        if n > 1:
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            seq_params = replace(params, n=1, seed=seed)
+        seq = Sequence(
+            f"{request_id}#{i}" if n > 1 else request_id,
+            list(token_ids),
+            leader=leader,
+            reuse_cached_prefix=params.prompt_logprobs is None,
+        )
+        leader = leader or seq
+        requests.append(
+            Request(
+                seq,
+                seq_params,
+                IncrementalDetokenizer(tokenizer, token_ids, stop=params.stop),
+                send.clone(),
+                group_id=request_id if n > 1 else "",
+                index=i,
+                prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids),
+            )
+        )
+    send.close()
+    return requests
+
+
 class RequestTracker:
     """The registry of admitted, unfinished requests."""
 
@@ -53,6 +120,7 @@ class RequestTracker:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}  # public id -> its unfinished sequences
         self.finish_hooks: list[FinishHook] = []
         self.token_hooks: list[Callable[[Request, float], None]] = []
 
@@ -61,6 +129,14 @@ class RequestTracker:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.groups.setdefault(request.public_id, []).append(request)
+
+    def is_in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.groups
+
+    def group(self, public_id: str) -> list[Request]:
+        """The unfinished sequences of request ``public_id`` (empty if unknown)."""
+        return list(self.groups.get(public_id, ()))
 
     def get(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -76,18 +152,22 @@ class RequestTracker:
             if error is not None:
                 self.finish(request, "error", error=error, weight_version=weight_version)
                 continue
+            prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
+            if prompt_logprobs is not None:
+                request.add_prompt_logprobs(prompt_logprobs)
             token = result.token_ids.get(seq.seq_id)
             if token is None:
                 continue  # a prompt chunk that is not the last
             self._emit_token(request, token, result.logprobs.get(seq.seq_id), weight_version, now)
 
     def _emit_token(
-        self, request: Request, token: int, logprob: float | None, version: int, now: float
+        self, request: Request, token: int, info: TokenInfo | None, version: int, now: float
     ) -> None:
         seq = request.seq
         seq.append_token(token)
         for hook in self.token_hooks:
             hook(request, now)
+        prompt_logprobs = request.prompt_logprobs if request.first_token_time is None else None
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -96,13 +176,17 @@ class RequestTracker:
         if reason is not None and not request.detokenizer.stopped:
             text += request.detokenizer.flush()
         chunk = RequestOutput(
-            request_id=request.request_id,
+            request_id=request.public_id,
             token_ids=[token],
             text=text,
-            logprobs=[logprob] if request.params.logprobs and logprob is not None else None,
+            logprobs=[info.logprob] if info is not None else None,
             finish_reason=reason,
             weight_version=version,
             num_prompt_tokens=seq.num_prompt_tokens,
+            index=request.index,
+            top_logprobs=[info.top] if info is not None else None,
+            prompt_logprobs=_values(prompt_logprobs),
+            prompt_top_logprobs=_tops(prompt_logprobs),
         )
         if reason is None:
             if not self._send(request, chunk):
@@ -137,18 +221,24 @@ class RequestTracker:
             return
         text = request.detokenizer.flush() if reason != "error" else ""
         chunk = RequestOutput(
-            request_id=request.request_id,
+            request_id=request.public_id,
             text=text,
             finish_reason=reason,
             error=error,
             weight_version=weight_version,
             num_prompt_tokens=request.seq.num_prompt_tokens,
+            index=request.index,
         )
         self._close(request, chunk)
 
     def _close(self, request: Request, chunk: RequestOutput) -> None:
         request.finish_reason = chunk.finish_reason
         self.requests.pop(request.request_id, None)
+        group = self.groups.get(request.public_id)
+        if group is not None and request in group:
+            group.remove(request)
+            if not group:
+                del self.groups[request.public_id]
         self._send(request, chunk)
         request.send.close()
         for hook in self.finish_hooks:
@@ -161,3 +251,15 @@ class RequestTracker:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return False  # the consumer is gone
         return True
+
+
+def _values(infos: list[TokenInfo | None] | None) -> list[float | None] | None:
+    if infos is None:
+        return None
+    return [info.logprob if info is not None else None for info in infos]
+
+
+def _tops(infos: list[TokenInfo | None] | None) -> list[dict[int, float] | None] | None:
+    if infos is None:
+        return None
+    return [info.top if info is not None else None for info in infos]

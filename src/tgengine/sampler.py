@@ -1,61 +1,56 @@
 """``Sampler``: picks one token per sequence from a batch of logits.
 
-Greedy rows take the argmax. Sampled rows are scaled by their temperature, masked by
-top-k and top-p, and drawn with the exponential race: ``argmax(x - log q)`` where ``x``
-are the scaled logits and ``q ~ Exp(1)``, which picks token ``i`` with probability
-``softmax(x)_i`` (the Gumbel-max trick). Every step of that is exact elementwise
-arithmetic or a per-row reduction, so a row's token depends only on its own logits, its
-parameters and its noise: a seeded request draws its noise from its own generator and
-gets the same tokens whatever else is in the batch, and wherever it sits in it.
+First the logits processors (``logits_processors``: the grammar mask, min_tokens, logit_bias,
+penalties) run
+over the rows that use them. Greedy rows then take the argmax. Sampled rows are scaled by
+their temperature, masked by top-k and top-p, and drawn with the exponential race:
+``argmax(x - log q)`` where ``x`` are the scaled logits and ``q ~ Exp(1)``, which picks
+token ``i`` with probability ``softmax(x)_i`` (the Gumbel-max trick). Every step of that
+is exact elementwise arithmetic or a per-row reduction, so a row's token depends only on
+its own logits, its parameters and its noise: a seeded request draws its noise from its
+own generator and gets the same tokens whatever else is in the batch, and wherever it sits
+in it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .sampling import SamplingParams
-from .structured_outputs.grammar_mask import GrammarMask
+from .logits_processors import (
+    LogitsProcessor,
+    SamplingRow,
+    apply_processors,
+    default_processors,
+)
+from .logprobs import TokenLogprobs, token_logprobs
 
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """One sequence that samples this step.
-
-    ``generator`` is the request's own generator, present iff ``params.seed`` is set; the
-    caller creates it once per request (``manual_seed(seed)``) and keeps it across steps.
-    It may live on the CPU or on the logits' device. ``token_bitmask`` is the row's mask
-    of allowed tokens when its output is constrained (structured outputs).
-    """
-
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    token_bitmask: Any = None
+__all__ = ["SampleResult", "Sampler", "SamplingRow"]
 
 
 @dataclass(frozen=True)
 class SampleResult:
     """The tokens picked for each row, in row order.
 
-    ``logprobs`` is ``None`` unless some row asked for them; then it holds, for every row,
-    the log-probability of its token under the model's raw distribution (before the
-    grammar mask, temperature, top-k and top-p).
+    ``logprobs`` is ``None`` unless some row asked for them (``params.logprobs`` is not
+    None); then it holds, for every row, the log probability of its token and its
+    ``params.logprobs`` most likely alternatives under the model's raw distribution
+    (before the processors, temperature, top-k and top-p).
     """
 
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: TokenLogprobs | None
 
 
 class Sampler:
     """Samples a batch of logits; unseeded rows share one generator seeded once."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
         self.seed = seed
+        self.processors = default_processors() if processors is None else list(processors)
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._grammar_mask = GrammarMask()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Pick one token for each row of ``logits`` (``[len(rows), vocab]``, float32)."""
@@ -63,9 +58,9 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()  # a no-op for float32; noise in half precision would be coarse
         raw_logprobs = None
-        if any(row.params.logprobs for row in rows):
+        if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_grammar_mask(logits, rows)
+        logits = apply_processors(logits, rows, self.processors)
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled:
             token_ids = logits.argmax(dim=-1)
@@ -77,22 +72,9 @@ class Sampler:
             token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
         logprobs = None
         if raw_logprobs is not None:
-            picked = raw_logprobs.gather(1, token_ids.unsqueeze(1))
-            logprobs = picked.squeeze(1).tolist()
+            num_top = [row.params.logprobs or 0 for row in rows]
+            logprobs = token_logprobs(raw_logprobs, token_ids, num_top)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
-
-    def _apply_grammar_mask(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
-    ) -> torch.Tensor:
-        constrained = [i for i, row in enumerate(rows) if self._grammar_mask.is_active(row)]
-        if not constrained:
-            return logits
-        if len(constrained) == len(rows):
-            return self._grammar_mask.apply(logits, rows)
-        index = torch.tensor(constrained, device=logits.device)
-        picked = [rows[i] for i in constrained]
-        logits[index] = self._grammar_mask.apply(logits[index], picked)
-        return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

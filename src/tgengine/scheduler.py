@@ -225,7 +225,7 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if seq.waits_for_leader or not self.block_manager.can_allocate(seq):
                 break  # strict FCFS: nobody overtakes the head
             self.waiting.popleft()
             self.block_manager.allocate(seq)

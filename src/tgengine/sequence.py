@@ -21,6 +21,11 @@ class Sequence:
     or more steps (chunked prefill); a token is sampled once all of them are computed.
     ``block_hashes[i]`` is the prefix hash of the full block ``block_table[i]``, known
     once that block is full and computed.
+
+    ``leader`` is the first sequence of the same prompt (``n > 1``): this one is admitted
+    only once the leader's prompt is computed, so that it reuses the leader's cached
+    blocks instead of computing the prompt again. ``reuse_cached_prefix=False`` computes
+    every prompt position (their log probabilities are wanted).
     """
 
     seq_id: str
@@ -32,6 +37,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    leader: Sequence | None = None
+    reuse_cached_prefix: bool = True
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -56,6 +63,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """Whether the leader is still computing the shared prompt."""
+        leader = self.leader
+        if leader is None or leader.is_finished:
+            return False
+        return leader.num_computed_tokens < min(leader.num_prompt_tokens, self.num_prompt_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -21,6 +21,8 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     finished_total: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of which found there
 
 
 @dataclass

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .outputs import RequestOutput
 from .requests import Request
@@ -14,21 +15,26 @@ from .requests import Request
 class RequestStream:
     """An async iterator over one admitted request's ``RequestOutput`` chunks.
 
-    The request is aborted, and its KV blocks freed, as soon as the consumer lets go:
-    when it breaks out of ``async for`` (the stream is dropped), is cancelled while
-    waiting for a chunk, or calls ``aclose()``. The abort is synchronous, so it has
-    happened by the time the consumer's next line runs.
+    With ``n > 1`` it carries the chunks of all ``n`` sequences (``RequestOutput.index``)
+    and ends after the last one finished. The request is aborted, and its KV blocks
+    freed, as soon as the consumer lets go: when it breaks out of ``async for`` (the stream
+    is dropped), is cancelled while waiting for a chunk, or calls ``aclose()``. The abort
+    is synchronous, so it has happened by the time the consumer's next line runs.
     """
 
-    def __init__(self, request: Request, abort: Callable[[Request], None]) -> None:
-        assert request.receive is not None
-        self._request = request
-        self._receive = request.receive
+    def __init__(
+        self,
+        requests: list[Request],
+        receive: MemoryObjectReceiveStream[RequestOutput],
+        abort: Callable[[Request], None],
+    ) -> None:
+        self._requests = requests
+        self._receive = receive
         self._abort = abort
 
     @property
     def request_id(self) -> str:
-        return self._request.request_id
+        return self._requests[0].public_id
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -60,6 +66,7 @@ class RequestStream:
         self._let_go()
 
     def _let_go(self) -> None:
-        if not self._request.finished:
-            self._abort(self._request)
+        for request in reversed(self._requests):  # the leader last: nobody waits for it
+            if not request.finished:
+                self._abort(request)
         self._receive.close()

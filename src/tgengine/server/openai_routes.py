@@ -93,7 +93,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         params = _sampling_params(
             body, body.max_tokens or 16, logprobs=body.logprobs is not None, constraint=constraint
         )
-        formatter = CompletionFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs)
+        formatter = CompletionFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs is not None)
         return _generation(
             ctx, body, body.prompt, params, formatter, constraint_param=constraint_param
         )
@@ -130,7 +130,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         params = _sampling_params(
             body, max_tokens, logprobs=bool(body.logprobs), constraint=constraint
         )
-        formatter = ChatFormatter(ctx.model_name, tokenizer, params.logprobs, plan.output)
+        formatter = ChatFormatter(ctx.model_name, tokenizer, params.logprobs is not None, plan.output)
         return _generation(
             ctx,
             body,
