@@ -22,8 +22,10 @@ from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..state import EngineState
 from ..stream import RequestStream
+from .choices import Choice, usage
 from .errors import APIError, from_engine_error, unavailable
-from .formatting import Accumulated, Formatter
+from .formatting import Formatter
+from .merge import merged as _merged
 from .metrics import ServerMetrics
 
 SSE_HEADERS = [
@@ -54,13 +56,29 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
 
 
 @dataclass
-class Generation:
-    """One request's generation, as the routes prepared it."""
+class Job:
+    """One engine request of a response: a prompt and its ``params.n`` choices.
 
-    engine: Engine
-    prompt: str | list[int]
+    Its choices are ``first_choice .. first_choice + n - 1``; ``echo`` is the prompt text to
+    put before each choice's text, if echoed.
+    """
+
+    prompt: list[int]
     params: SamplingParams
     request_id: str
+    first_choice: int = 0
+    echo: str | None = None
+
+    def choices(self) -> list[Choice]:
+        return [Choice(self.first_choice + i, self.prompt, self.echo) for i in range(self.params.n)]
+
+
+@dataclass
+class Generation:
+    """One response's generation: one or more engine requests, as the routes prepared them."""
+
+    engine: Engine
+    jobs: list[Job]
     formatter: Formatter
     metrics: ServerMetrics
     retry_after: int
@@ -73,54 +91,68 @@ class Generation:
 
     async def stream(self, send: Send) -> None:
         """Server-sent events, one per chunk; the last is ``data: [DONE]``."""
-        outputs = await self._admit(send)
-        if outputs is None:
+        streams = await self._admit(send)
+        if streams is None:
             return
-        timer, acc = _Timer(self.metrics), Accumulated()
-        async with outputs:  # leaving it early (cancelled: the client left) aborts the request
-            started = False
-            async for out in outputs:
+        timer, choices = _Timer(self.metrics), self._choices()
+        started = False
+        async with _merged(streams) as outputs:  # leaving early (the client left) aborts
+            async for job, out in outputs:
                 if not started:
                     await send(
                         {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
                     )
-                    for opening in self.formatter.opening():
+                    for opening in self.formatter.opening(choices):
                         await _send_event(send, opening)
                     started = True
                 timer.observe(out)
-                acc.add(out)
-                payload = self.formatter.chunk(out)
+                choice = choices[job.first_choice + out.index]
+                choice.add(out)
+                payload = self.formatter.chunk(choice, out)
                 if payload is not None:
                     await _send_event(send, payload)
         if self.include_usage:
-            await _send_event(send, self.formatter.usage_chunk(acc.usage()))
+            await _send_event(send, self.formatter.usage_chunk(usage(choices)))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     async def complete(self, send: Send) -> None:
-        """One JSON body once the request finished."""
-        outputs = await self._admit(send)
-        if outputs is None:
+        """One JSON body once every choice finished."""
+        streams = await self._admit(send)
+        if streams is None:
             return
-        timer, acc = _Timer(self.metrics), Accumulated()
-        async with outputs:
-            async for out in outputs:
+        timer, choices = _Timer(self.metrics), self._choices()
+        async with _merged(streams) as outputs:
+            async for job, out in outputs:
                 timer.observe(out)
-                acc.add(out)
-        if acc.finish_reason == "error":
-            await self._failed(acc.error).send(send)
+                choices[job.first_choice + out.index].add(out)
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            await self._failed(failed.error).send(send)
             return
-        body = self.formatter.whole(acc).model_dump_json().encode()
+        body = self.formatter.whole(choices).model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _admit(self, send: Send) -> RequestStream | None:
-        """The request's stream, or None once its admission error has been answered."""
+    def _choices(self) -> list[Choice]:
+        return [choice for job in self.jobs for choice in job.choices()]
+
+    async def _admit(self, send: Send) -> list[tuple[Job, RequestStream]] | None:
+        """Each job's stream, or None once an admission error has been answered.
+
+        All or nothing: when one job is refused, the ones admitted before it are aborted.
+        """
+        streams: list[tuple[Job, RequestStream]] = []
         try:
-            return self.engine.generate(self.prompt, self.params, request_id=self.request_id)
+            for job in self.jobs:
+                stream = self.engine.generate(job.prompt, job.params, request_id=job.request_id)
+                streams.append((job, stream))
         except TGEngineError as exc:
+            for _, admitted in streams:
+                await admitted.aclose()
             await self._admission_error(exc).send(send)
             return None
+        return streams
 
     def _admission_error(self, exc: TGEngineError) -> APIError:
         error = from_engine_error(exc, self.retry_after)

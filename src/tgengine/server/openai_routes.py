@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from fastapi import APIRouter
@@ -14,7 +13,7 @@ from ..tokenizer import chat_prompt
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
 from .formatting import ChatFormatter, CompletionFormatter, Formatter
-from .generation import Generation
+from .generation import Generation, Job
 from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -87,16 +86,30 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         responses={**ERRORS, **_sse(CompletionResponse)},
     )
     async def completions(body: CompletionRequest) -> Response:
-        """Complete a prompt (a string or token ids)."""
-        _check_model(ctx, body.model)
+        """Complete a prompt, or a batch of prompts (strings or token ids)."""
+        tokenizer = _check_common(ctx, body)
+        n = body.n or 1
+        if body.best_of is not None and body.best_of != n:
+            raise invalid("best_of", f"best_of: must equal n ({n}); every sample is returned")
+        formatter = CompletionFormatter(ctx.model_name, tokenizer, body.logprobs)
         constraint, constraint_param = requested_constraint(body)
-        params = _sampling_params(
-            body, body.max_tokens or 16, logprobs=body.logprobs is not None, constraint=constraint
-        )
-        formatter = CompletionFormatter(ctx.model_name, ctx.engine.tokenizer, params.logprobs is not None)
-        return _generation(
-            ctx, body, body.prompt, params, formatter, constraint_param=constraint_param
-        )
+        max_tokens = body.max_tokens or 16
+        jobs = []
+        for i, prompt in enumerate(body.prompts()):
+            ids = _encode(tokenizer, prompt) if isinstance(prompt, str) else prompt
+            _check_context(ctx, len(ids), max_tokens, "max_tokens")
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+            params = _sampling_params(
+                body,
+                max_tokens,
+                logprobs=body.logprobs,
+                prompt_logprobs=body.logprobs if body.echo else None,
+                constraint=constraint,
+            )
+            jobs.append(Job(ids, params, f"{formatter.id}-{i}", first_choice=i * n, echo=echo))
+        return _generation(ctx, body, jobs, formatter, constraint_param=constraint_param)
 
     @router.post(
         "/chat/completions",
@@ -105,10 +118,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         """Answer a conversation, rendered with the tokenizer's chat template."""
-        _check_model(ctx, body.model)
-        if ctx.engine.tokenizer is None:
-            raise unavailable("the engine has not started", "engine_unavailable", ctx.retry_after)
-        tokenizer = ctx.engine.tokenizer
+        tokenizer = _check_common(ctx, body)
         parser = pick_parser(ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
         plan = plan_tools(body, parser)
         constraint, constraint_param = requested_constraint(body)
@@ -127,21 +137,59 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
-        params = _sampling_params(
-            body, max_tokens, logprobs=bool(body.logprobs), constraint=constraint
-        )
-        formatter = ChatFormatter(ctx.model_name, tokenizer, params.logprobs is not None, plan.output)
+        else:
+            name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            _check_context(ctx, len(prompt), max_tokens, name)
+        if body.top_logprobs and not body.logprobs:
+            raise invalid("top_logprobs", "top_logprobs: only allowed when logprobs is true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, max_tokens, logprobs=logprobs, constraint=constraint)
+        formatter = ChatFormatter(ctx.model_name, tokenizer, logprobs, plan.output)
+        job = Job(prompt, params, formatter.id)
         return _generation(
             ctx,
             body,
-            prompt,
-            params,
+            [job],
             formatter,
             prompt_param="messages",
             constraint_param=constraint_param,
         )
 
     return router
+
+
+def _check_common(ctx: ServerContext, body: SamplingFields) -> Any:
+    """The checks both endpoints make first; returns the tokenizer."""
+    _check_model(ctx, body.model)
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "stream_options: only allowed when stream is true")
+    return _tokenizer(ctx)
+
+
+def _tokenizer(ctx: ServerContext) -> Any:
+    if ctx.engine.tokenizer is None:
+        raise unavailable("the engine has not started", "engine_unavailable", ctx.retry_after)
+    return ctx.engine.tokenizer
+
+
+def _encode(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's token ids, as ``Engine.generate`` would encode them."""
+    return list(tokenizer.encode(prompt)) if prompt else []
+
+
+def _check_context(ctx: ServerContext, num_prompt: int, max_tokens: int, param: str) -> None:
+    """Refuse, as OpenAI and vLLM do, a prompt and completion that cannot fit the context.
+
+    A prompt that is too long on its own is left to the engine, which names the prompt.
+    """
+    limit = ctx.engine.max_model_len
+    if num_prompt < limit and num_prompt + max_tokens > limit:
+        raise invalid(
+            param,
+            f"{param}: this model's maximum context length is {limit} tokens, but "
+            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+            f"{max_tokens} in the completion); reduce the prompt or {param}",
+        )
 
 
 def _check_model(ctx: ServerContext, model: str) -> None:
@@ -158,7 +206,8 @@ def _sampling_params(
     body: SamplingFields,
     max_tokens: int,
     *,
-    logprobs: bool,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
     constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -168,31 +217,42 @@ def _sampling_params(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=top_k,
-        seed=body.seed,
+        seed=None if body.seed is None else body.seed % 2**63,  # any int64 seed
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        n=body.n or 1,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
+        min_tokens=min(body.min_tokens or 0, max_tokens),
         structured_outputs=constraint,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError as exc:
+        raise invalid("logit_bias", "logit_bias: keys must be token ids") from exc
 
 
 def _generation(
     ctx: ServerContext,
     body: SamplingFields,
-    prompt: str | list[int] | list[str] | list[list[int]],
-    params: SamplingParams,
+    jobs: list[Job],
     formatter: Formatter,
     prompt_param: str = "prompt",
     constraint_param: str = "structured_outputs",
 ) -> Response:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        raise invalid("prompt", "prompt: batches of prompts are not supported")
     generation = Generation(
         engine=ctx.engine,
-        prompt=prompt,  # type: ignore[arg-type]  # narrowed above
-        params=params,
-        request_id=getattr(formatter, "id", None) or uuid.uuid4().hex,
+        jobs=jobs,
         formatter=formatter,
         metrics=ctx.metrics,
         retry_after=ctx.config.retry_after_seconds,

@@ -2,17 +2,19 @@
 
 Requests are strict (no type coercion, unknown fields rejected, numbers finite and
 bounded) so that a bad request is a 400 that names its field, never a 500 further in.
-Parameters tgengine cannot honour are accepted only at their neutral value (``n=1``,
-``echo=false``, zero penalties, ...). The response models are what the OpenAPI schema
-shows, and the handlers build every body from them.
+Every parameter OpenAI's API and vLLM's server take for a text model is here, with
+OpenAI's ranges; the few tgengine cannot honour (``suffix``) are accepted only at their
+neutral value. The response models are what the OpenAPI schema shows, and the handlers
+build every body from them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling import MAX_LOGPROBS, MAX_N
 from .structured_protocol import (
     ResponseFormat,
     StructuredOutputsBody,
@@ -24,8 +26,9 @@ from .structured_protocol import (
 )
 
 MAX_TOKENS_LIMIT = 2**31 - 1
-SEED_LIMIT = 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any int64 seed, as OpenAI and vLLM take
 MAX_STOP = 4
+MAX_PROMPTS = 64  # prompts in one completions batch
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
@@ -38,12 +41,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-def _no_batches(value: object) -> object:
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) != 1:
-            raise ValueError("batches of prompts are not supported; send one prompt per request")
-        return value[0]
-    return value
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class SamplingFields(StrictModel):
@@ -52,21 +50,26 @@ class SamplingFields(StrictModel):
     model: str
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    n: Literal[1] | None = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, le=MAX_N, description=f"Sequences per prompt (1..{MAX_N}).")
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
-    frequency_penalty: float | None = Field(0.0, ge=0.0, le=0.0, description="Only 0.")
-    presence_penalty: float | None = Field(0.0, ge=0.0, le=0.0, description="Only 0.")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)]
+        | None
+    ) = Field(None, description="Token id (a string of digits) -> bias added to its logit.")
     user: str | None = None
-    top_k: int | None = Field(
-        None, ge=-1, le=MAX_TOKENS_LIMIT, description="tgengine extension: 0 or -1 = off."
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="vLLM: 0 or -1 = off.")
+    repetition_penalty: float | None = Field(
+        1.0, gt=0.0, le=2.0, description="vLLM: > 1 discourages tokens of prompt and output."
     )
-    ignore_eos: bool | None = Field(False, description="tgengine extension.")
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = (
-        Field(None, description="tgengine extension.")
+    min_tokens: int | None = Field(0, ge=0, le=MAX_TOKENS_LIMIT, description="vLLM: no EOS before.")
+    ignore_eos: bool | None = Field(False, description="vLLM extension.")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = Field(
+        None, description="vLLM extension."
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = Field(
@@ -75,21 +78,32 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="A string or a list of token ids (a batch of exactly one is accepted too)."
-    )
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_PROMPTS),
+        ]
+    ) = Field(description="A string, a list of token ids, or a batch of either.")
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(
-        None, ge=0, le=0, description="0: the log probability of each sampled token."
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Log probability of each token and of this many most likely ones.",
     )
-    echo: Literal[False] | None = False
-    best_of: Literal[1] | None = None
+    echo: bool | None = Field(False, description="Return the prompt before the completion.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Must equal n when set.")
     suffix: None = None
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def unbatch_prompt(cls, value: object) -> object:
-        return _no_batches(value)
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per entry."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return [prompt]  # type: ignore[list-item]  # narrowed: a str or list[int]
+        return list(prompt)  # type: ignore[arg-type]  # narrowed: a batch
 
 
 class TextPart(StrictModel):
@@ -117,7 +131,9 @@ class ChatCompletionRequest(SamplingFields):
         None, ge=1, le=MAX_TOKENS_LIMIT, description="Default: the rest of the context."
     )
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="Only 0.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Most likely tokens per position; needs logprobs."
+    )
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
@@ -134,8 +150,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -155,11 +171,17 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class TokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict[str, object]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
