@@ -267,7 +267,7 @@ async def test_invalid_weights_change_nothing(tiny_llama_dir: Path) -> None:
             bad_sources = {
                 "unknown": [*good[1:], ("model.nope.weight", tensor)],
                 "shape": [*good[1:], (name, tensor[:1])],
-                "dtype": [*good[1:], (name, tensor.to(torch.float16))],
+                "dtype": [*good[1:], (name, tensor.to(torch.int32))],
             }
             for kind, source in bad_sources.items():
                 # good tensors come first: an invalid last one must still apply nothing

@@ -1,4 +1,5 @@
-"""API and admin keys: 401 on every route without the key; management takes only the admin key."""
+"""API and admin keys: 401 on every route without the key but the open ones (as in vLLM:
+health, metrics, version, tokenize, detokenize); management takes only the admin key."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from server_helpers import (
     running_server,
 )
 from tgengine.server.admin_routes import ADMIN_PATHS
+from tgengine.server.tokenize_routes import OPEN_PATHS
 
 pytestmark = pytest.mark.anyio
 
@@ -40,7 +42,13 @@ async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
                     for method in operations
                 ]
                 assert {path for _, path in routes} >= set(ADMIN_PATHS)
+                assert {path for _, path in routes} >= set(OPEN_PATHS)
                 for method, path in routes + EXTRA_ROUTES:
+                    if path in OPEN_PATHS:
+                        for client in (anonymous, wrong):
+                            response = await client.request(method, path)
+                            assert response.status_code != 401, (path, response.text)
+                        continue
                     for client in (anonymous, wrong):
                         response = await client.request(method, path)
                         error = assert_error_body(response, 401)
@@ -50,7 +58,14 @@ async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
                         assert_error_body(await user.request(method, path), 401)
 
                 assert (await user.get("/v1/models")).status_code == 200
-                assert (await user.get("/health")).status_code == 200
+                assert (await anonymous.get("/health")).status_code == 200
+                assert (await anonymous.get("/metrics")).status_code == 200
+                assert (await anonymous.get("/version")).status_code == 200
+                counted = await anonymous.post("/tokenize", json={"prompt": "Hello"})
+                tokens = counted.json()["tokens"]
+                assert counted.json()["count"] == len(tokens) > 0
+                text = await anonymous.post("/detokenize", json={"tokens": tokens})
+                assert "Hello" in text.json()["prompt"]
                 assert (await admin.get("/v1/models")).status_code == 200
                 assert (await admin.get("/is_sleeping")).json() == {"is_sleeping": False}
                 assert (await admin.post("/resume")).status_code == 200
@@ -62,6 +77,15 @@ async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
                 ) as client:
                     with pytest.raises(openai.AuthenticationError):
                         await client.models.list()
+
+
+async def test_protect_metrics_needs_the_key_on_metrics(tiny_llama_dir: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with running_server(tiny_llama_dir, api_key=API_KEY, protect_metrics=True) as running:
+            async with running.client() as anonymous, running.client(API_KEY) as user:
+                assert_error_body(await anonymous.get("/metrics"), 401)
+                assert (await user.get("/metrics")).status_code == 200
+                assert (await anonymous.get("/health")).status_code == 200
 
 
 async def test_management_routes_exist_only_with_an_admin_key(tiny_llama_dir: Path) -> None:

@@ -28,6 +28,7 @@ from .executor import UniExecutor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
+from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker, new_requests
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -71,6 +72,7 @@ class Engine:
         self._cause: BaseException | None = None
         self._ids = itertools.count()
         self._counters = Counters()
+        self.observers: list[EngineObserver] = []  # told of finished requests and steps
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -463,8 +465,19 @@ class Engine:
         def on_finish(request: Request) -> None:
             counters.finished[request.finish_reason or "abort"] += 1
 
+        def on_request_done(members: list[Request]) -> None:
+            stats = request_stats(members)
+            for observer in self.observers:
+                observer.request_finished(stats)
+
+        def on_step(num_batched_tokens: int) -> None:
+            for observer in self.observers:
+                observer.step_finished(num_batched_tokens)
+
         tracker.token_hooks.append(on_token)
         tracker.finish_hooks.append(on_finish)
+        tracker.group_hooks.append(on_request_done)
+        self._loop.step_hooks.append(on_step)
 
 
 def _read_dir(path: str) -> list[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import anyio
@@ -54,6 +55,7 @@ class EngineLoop:
         self._progress = anyio.Event()
         self._finished_ids: list[str] = []
         self.num_steps = 0
+        self.step_hooks: list[Callable[[int], None]] = []  # called with the batched tokens
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
@@ -140,6 +142,8 @@ class EngineLoop:
         self.num_preemptions += len(batch.preempted)
         self.last_step_time = anyio.current_time()
         self.scheduler.update_after_step(batch)
+        for hook in self.step_hooks:
+            hook(batch.num_batched_tokens)
         self.tracker.publish(batch.seqs, result, self._weight_version())
         self.notify()
         return True
@@ -147,8 +151,11 @@ class EngineLoop:
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
         assert self.tracker is not None
         seqs = []
+        now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
             request = self.tracker.get(seq.seq_id)
+            if request is not None and request.scheduled_time is None:
+                request.scheduled_time = now
             seqs.append(_seq_step(seq, batch.num_new_tokens[i], request, batch.needs_sample(i)))
         finished, self._finished_ids = self._finished_ids, []
         return StepBatch(seqs, finished)

@@ -302,8 +302,15 @@ class ModelAgent:
         return reloaded
 
     def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Check every tensor, then copy them all (a trainer's ``state_dict()`` as it is).
+
+        Names and shapes are strict. A tied model's ``lm_head.weight`` (the embedding under
+        another name) is skipped; floating tensors of another dtype are cast.
+        """
         if self._model is None or not self._weights_resident:
             raise RuntimeError("update_weights while the weights are not resident")
+        tied = self._model.lm_head is None
+        named = [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
         for name, tensor in named:
             if name not in self._specs:
                 raise InvalidRequestError("weights", f"unknown tensor name {name!r}")
@@ -312,12 +319,14 @@ class ModelAgent:
                 raise InvalidRequestError(
                     "weights", f"{name}: shape {tuple(tensor.shape)} != expected {tuple(shape)}"
                 )
-            if tensor.dtype != dtype:
+            if tensor.dtype != dtype and not (
+                tensor.is_floating_point() and dtype.is_floating_point
+            ):
                 raise InvalidRequestError("weights", f"{name}: dtype {tensor.dtype} != {dtype}")
         params = dict(self._model.named_parameters())
         with torch.no_grad():
             for name, tensor in named:
-                params[name].data.copy_(tensor)
+                params[name].data.copy_(tensor)  # copy_ casts to the parameter's dtype
         self._model.weights_changed()
 
     def _release_all(self) -> None:

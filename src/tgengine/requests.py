@@ -35,6 +35,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     send: MemoryObjectSendStream[RequestOutput]
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -121,6 +122,8 @@ class RequestTracker:
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # public id -> its unfinished sequences
+        self._members: dict[str, list[Request]] = {}  # public id -> all its sequences
+        self.group_hooks: list[Callable[[list[Request]], None]] = []  # all sequences ended
         self.finish_hooks: list[FinishHook] = []
         self.token_hooks: list[Callable[[Request, float], None]] = []
 
@@ -130,6 +133,7 @@ class RequestTracker:
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.groups.setdefault(request.public_id, []).append(request)
+        self._members.setdefault(request.public_id, []).append(request)
 
     def is_in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.groups
@@ -239,6 +243,9 @@ class RequestTracker:
             group.remove(request)
             if not group:
                 del self.groups[request.public_id]
+                members = self._members.pop(request.public_id, [request])
+                for group_hook in self.group_hooks:
+                    group_hook(members)
         self._send(request, chunk)
         request.send.close()
         for hook in self.finish_hooks:

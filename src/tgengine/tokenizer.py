@@ -18,7 +18,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 def chat_prompt(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template, ready to generate.
 
@@ -27,7 +30,7 @@ def chat_prompt(
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=True
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

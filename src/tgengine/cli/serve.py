@@ -42,7 +42,19 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--api-key",
         default=os.environ.get("TGENGINE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route (env: TGENGINE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 and every route but /health, "
+        "/metrics, /version, /tokenize and /detokenize (env: TGENGINE_API_KEY)",
+    )
+    parser.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the API key on /metrics too",
+    )
+    parser.add_argument(
+        "--metrics-prefix",
+        default=DEFAULTS.metrics_prefix,
+        help="prefix of the Prometheus metric names; 'vllm' makes vLLM's Grafana dashboard "
+        "work unchanged (default: %(default)s)",
     )
     parser.add_argument(
         "--admin-key",
@@ -98,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             health_stall_seconds=args.health_stall_seconds,
             tool_call_parser=args.tool_call_parser,
+            protect_metrics=args.protect_metrics,
+            metrics_prefix=args.metrics_prefix,
         )
         anyio.run(partial(_serve, config, server_config, args.shutdown_grace), backend=args.backend)
     except (TGEngineError, ValueError, OSError) as exc:

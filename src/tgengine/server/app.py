@@ -19,10 +19,12 @@ from .errors import install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .openai_routes import ERRORS, openai_router
 from .protocol import HealthResponse
+from .tokenize_routes import OPEN_PATHS, tokenize_router
 
 DESCRIPTION = """\
 An OpenAI-compatible server for one tgengine Engine. Every error body is
-`{"error": {"message", "type", "param", "code"}}`. With an API key, every route needs
+`{"error": {"message", "type", "param", "code"}}`. With an API key, every route but
+`/health`, `/metrics`, `/version`, `/tokenize` and `/detokenize` needs
 `Authorization: Bearer <key>`; the management routes exist only with an admin key and
 accept only that key.
 """
@@ -39,7 +41,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     admin_security = [Security(HTTPBearer(auto_error=False, scheme_name="admin_key"))]
     api_deps = api_security if config.api_key else []
     app.include_router(openai_router(ctx), dependencies=api_deps)
-    app.include_router(status_router(ctx), dependencies=api_deps)
+    app.include_router(status_router(ctx, protect_metrics=config.protect_metrics))
+    app.include_router(tokenize_router(ctx))
     if config.admin_key:
         app.include_router(admin_router(ctx), dependencies=admin_security)
     app.openapi = _accurate_openapi(app)  # type: ignore[method-assign]
@@ -49,6 +52,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         api_key=config.api_key,
         admin_key=config.admin_key,
         admin_paths=ADMIN_PATHS,
+        open_paths=[p for p in OPEN_PATHS if p != "/metrics" or not config.protect_metrics],
     )
     return app
 
@@ -73,16 +77,14 @@ def _accurate_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def status_router(ctx: ServerContext) -> APIRouter:
+def status_router(ctx: ServerContext, *, protect_metrics: bool) -> APIRouter:
     router = APIRouter(tags=["status"])
+    api_key = ctx.config.api_key is not None
 
     @router.get(
         "/health",
         response_model=HealthResponse,
-        responses={
-            503: {"model": HealthResponse, "description": "Stopping, dead, or stalled."},
-            401: ERRORS[401],
-        },
+        responses={503: {"model": HealthResponse, "description": "Stopping, dead, or stalled."}},
     )
     async def health() -> JSONResponse:
         """200 while serving and making progress (asleep or paused counts as alive)."""
@@ -90,15 +92,19 @@ def status_router(ctx: ServerContext) -> APIRouter:
         status = 200 if report.status == "ok" else 503
         return JSONResponse(report.model_dump(), status_code=status)
 
+    metrics_security = [Security(HTTPBearer(auto_error=False, scheme_name="api_key"))]
+    protected = protect_metrics and api_key
+
     @router.get(
         "/metrics",
         response_class=Response,
+        dependencies=metrics_security if protected else [],
         responses={
             200: {
                 "description": "Prometheus text exposition format.",
                 "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
             },
-            401: ERRORS[401],
+            **({401: ERRORS[401]} if protected else {}),
         },
     )
     async def metrics() -> Response:

@@ -12,8 +12,11 @@ class ServerConfig:
     """Configuration of one HTTP server; validated on construction (``ValueError`` names the field).
 
     ``port=0`` binds a free port (``Server.run`` reports the real one). ``api_key`` guards
-    every route; ``admin_key`` enables the management routes and is the only key they
-    accept. ``served_model_name`` defaults to the model directory's basename.
+    every route except the open ones (``/health``, ``/metrics``, ``/version``,
+    ``/tokenize``, ``/detokenize``, as in vLLM); ``protect_metrics`` guards ``/metrics``
+    too. ``admin_key`` enables the management routes and is the only key they accept.
+    ``served_model_name`` defaults to the model directory's basename. ``metrics_prefix``
+    names the Prometheus metrics (``vllm`` lets a vLLM dashboard work unchanged).
     ``tool_call_parser`` reads tool calls in ``tool_choice="auto"`` answers: ``hermes``,
     ``llama3_json``, or ``auto`` (picked by the chat template).
     """
@@ -30,6 +33,8 @@ class ServerConfig:
     keep_alive_timeout: float = 5.0
     backlog: int = 1024
     tool_call_parser: str = "auto"
+    protect_metrics: bool = False
+    metrics_prefix: str = "tgengine"
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +49,8 @@ class ServerConfig:
             raise ValueError("admin_key: must differ from api_key")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}")
+        if not self.metrics_prefix.isidentifier():
+            raise ValueError(f"metrics_prefix: must be an identifier, got {self.metrics_prefix!r}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("backlog", self.backlog)
         if not isinstance(self.retry_after_seconds, int) or self.retry_after_seconds < 0:

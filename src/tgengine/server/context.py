@@ -32,7 +32,7 @@ class ServerContext:
             engine=engine,
             config=config,
             model_name=name,
-            metrics=ServerMetrics(engine, name),
+            metrics=ServerMetrics(engine, name, config.metrics_prefix),
             health=HealthMonitor(engine, config.health_stall_seconds),
         )
 

@@ -205,6 +205,7 @@ class _Timer:
                 gap = (now - self.last_token) / len(out.token_ids)
                 for _ in out.token_ids:
                     self.metrics.inter_token_latency.observe(gap)
+                    self.metrics.time_per_output_token.observe(gap)
             self.last_token = now
         if out.finished:
             self.metrics.e2e_request_latency.observe(now - self.arrival)

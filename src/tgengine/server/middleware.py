@@ -19,8 +19,9 @@ DRAIN_BYTES = 64 * 1024 * 1024
 class AuthMiddleware:
     """Require ``Authorization: Bearer <key>``.
 
-    Paths in ``admin_paths`` accept only ``admin_key``. Every other path accepts
-    ``api_key`` (or ``admin_key``) when ``api_key`` is set, and is open otherwise.
+    Paths in ``admin_paths`` accept only ``admin_key``. Paths in ``open_paths`` need no
+    key. Every other path accepts ``api_key`` (or ``admin_key``) when ``api_key`` is set,
+    and is open otherwise.
     """
 
     def __init__(
@@ -30,11 +31,13 @@ class AuthMiddleware:
         api_key: str | None,
         admin_key: str | None,
         admin_paths: Collection[str],
+        open_paths: Collection[str] = (),
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_key = admin_key
         self.admin_paths = frozenset(admin_paths)
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,6 +46,8 @@ class AuthMiddleware:
         token = _bearer_token(scope)
         if self.admin_key is not None and scope["path"] in self.admin_paths:
             allowed: tuple[str | None, ...] = (self.admin_key,)
+        elif scope["path"] in self.open_paths:
+            allowed = ()
         elif self.api_key is not None:
             allowed = (self.api_key, self.admin_key)
         else:
