@@ -134,3 +134,19 @@ async def test_pause_update_weights_and_sleep_keep_constraints(tiny_llama_dir: P
     for consumer, kind in ((first, "json"), (second, "grammar"), (held, "regex")):
         assert consumer.finish_reason == "stop"
         check_output(kind, text_of(consumer.chunks))
+
+
+async def test_n_sequences_each_follow_the_constraint(tiny_llama_dir: Path) -> None:
+    """``n > 1``: each sequence has its own matcher; compiling first (off the loop) caches."""
+    params = constrained("json", n=3, seed=5)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tiny_config(tiny_llama_dir)) as engine:
+            await engine.prepare_structured_outputs(params)
+            chunks = await collect(engine, PROMPT, params)
+            info = engine._grammars.cache_info()  # type: ignore[union-attr]
+    texts = {i: text_of([c for c in chunks if c.index == i]) for i in range(3)}
+    for i, text in texts.items():
+        assert [c.finish_reason for c in chunks if c.index == i and c.finish_reason] == ["stop"]
+        check_output("json", text)
+    assert len(set(texts.values())) > 1, "seeds seed + i should differ"
+    assert (info.misses, info.hits) == (1, 3)

@@ -195,6 +195,19 @@ class Engine:
             self._held.extend(requests)
         return RequestStream(requests, receive, lambda r: self._finish(r, "abort"))
 
+    async def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` off the event loop, into the cache that
+        ``generate`` reads; a no-op without a constraint or before the engine started.
+
+        A large schema can take tens of milliseconds to compile: a server calls this before
+        ``generate`` so that admission never holds the event loop that long. Raises
+        ``InvalidRequestError`` for a constraint that does not compile, as ``generate`` would.
+        """
+        grammars = self._grammars
+        if params.structured_outputs is None or not isinstance(grammars, GrammarCompiler):
+            return
+        await anyio.to_thread.run_sync(grammars.matcher, params.structured_outputs)
+
     def _grammar_compiler(self) -> GrammarCompiler | str:
         """The compiler of structured outputs, or why this tokenizer cannot have one."""
         mc = self.model_config

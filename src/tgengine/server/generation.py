@@ -144,6 +144,8 @@ class Generation:
         """
         streams: list[tuple[Job, RequestStream]] = []
         try:
+            for job in self.jobs:  # compiles constraints off the loop, before admitting any
+                await self.engine.prepare_structured_outputs(job.params)
             for job in self.jobs:
                 stream = self.engine.generate(job.prompt, job.params, request_id=job.request_id)
                 streams.append((job, stream))
