@@ -229,33 +229,63 @@ def weights_bytes(engine: Engine) -> int:
     return sum(s.weights_bytes for s in engine.memory_stats().values())
 
 
-async def test_prepacked_weights_follow_updates_and_sleep(
+def checkpoint_bytes(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> int:
+    return sum(t.numel() * dtype.itemsize for _, t in named)
+
+
+# bfloat16 where this CPU packs it (AVX-512), else float32, which oneDNN packs everywhere.
+PACKED_DTYPE = torch.bfloat16 if can_prepack(torch.bfloat16) else torch.float32
+
+
+@pytest.mark.skipif(not can_prepack(PACKED_DTYPE), reason="oneDNN packs no dtype here")
+async def test_packed_weights_are_the_only_copy_and_follow_updates_and_sleep(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    # In bfloat16 on CPU, decode with 3+ rows runs on oneDNN-packed copies of the weights:
-    # every change of the weights must drop them, or the engine keeps the old model.
+    # With prepack_weights, every linear weight lives in oneDNN's packed layout only: the
+    # resident bytes equal the checkpoint's, after a batched step too; every change of the
+    # weights (update, sleep, wakeup) reaches the packed form, or the engine keeps the old model.
     named, other_dir = other_weights(tmp_path)
-    named = [(name, t.to(torch.bfloat16)) for name, t in named]
-    original = [(name, t.to(torch.bfloat16)) for name, t in iter_safetensors(tiny_llama_dir)]
-    bf16 = {"dtype": "bfloat16", "prepack_weights": True}
+    named = [(name, t.to(PACKED_DTYPE)) for name, t in named]
+    original = [(name, t.to(PACKED_DTYPE)) for name, t in iter_safetensors(tiny_llama_dir)]
+    size = checkpoint_bytes(original, PACKED_DTYPE)
+    packed = {"dtype": str(PACKED_DTYPE).removeprefix("torch."), "prepack_weights": True}
     prompts, params = PROMPTS[:4], greedy(12)
     with anyio.fail_after(TIMEOUT):
-        async with open_engine(tiny_config(other_dir, **bf16)) as reference:
+        async with open_engine(tiny_config(other_dir, **packed)) as reference:
             want = [tokens_of(r) for r in await generate_all(reference, prompts, params)]
-        async with open_engine(tiny_config(tiny_llama_dir, **bf16)) as engine:
-            unpacked = weights_bytes(engine)
+        async with open_engine(tiny_config(tiny_llama_dir, **packed)) as engine:
             before = [tokens_of(r) for r in await generate_all(engine, prompts, params)]
-            if can_prepack(torch.bfloat16):
-                assert weights_bytes(engine) > unpacked, "the packed copies are counted"
+            # one copy: the placeholders of the packed parameters add a few bytes each
+            assert size <= weights_bytes(engine) <= size * 1.01
             await engine.update_weights(named)
             assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == want
             assert want != before
+            assert size <= weights_bytes(engine) <= size * 1.01
             await engine.sleep(1)
             assert weights_bytes(engine) == 0
+            assert size <= host_weights_bytes(engine) <= size * 1.01
             await engine.wakeup()
             assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == want
+            await engine.sleep(2)
+            assert weights_bytes(engine) == host_weights_bytes(engine) == 0
+            await engine.wakeup()  # reloads the original weights from disk, packed again
+            assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == before
+            assert size <= weights_bytes(engine) <= size * 1.01
             await engine.update_weights(original)
             assert [tokens_of(r) for r in await generate_all(engine, prompts, params)] == before
+
+
+async def test_unpacked_weights_are_one_copy_too(tiny_llama_dir: Path) -> None:
+    original = list(iter_safetensors(tiny_llama_dir))
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tiny_config(tiny_llama_dir, prepack_weights=False)) as engine:
+            await generate_all(engine, PROMPTS[:4], greedy(4))
+            size = checkpoint_bytes(original, torch.float32)
+            assert weights_bytes(engine) == size
+
+
+def host_weights_bytes(engine: Engine) -> int:
+    return sum(s.host_weights_bytes for s in engine.memory_stats().values())
 
 
 async def test_invalid_weights_change_nothing(tiny_llama_dir: Path) -> None:

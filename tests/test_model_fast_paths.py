@@ -15,7 +15,7 @@ from tgengine.model_inputs import prepare_inputs
 from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
 from tgengine.models.fused import fused_rows
-from tgengine.models.gemm import Gemm, can_prepack
+from tgengine.models.gemm import Gemm, LinearWeights, can_prepack
 from tgengine.sampling import SamplingParams
 from tgengine.step import SeqStep
 
@@ -133,22 +133,33 @@ def test_gemm_kernels_compute_the_same_products() -> None:
     assert torch.equal(gemm.linear(x32, weight.float()), F.linear(x32, weight.float()))
 
 
-@pytest.mark.skipif(
-    not can_prepack(torch.bfloat16), reason="oneDNN weight prepacking is not available"
-)
-def test_prepacked_weights_are_dropped_when_weights_change() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_replace_the_plain_ones(dtype: torch.dtype) -> None:
+    if not can_prepack(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
     torch.manual_seed(0)
-    weight = torch.randn(96, 64).to(torch.bfloat16)
-    x = torch.randn(8, 64).to(torch.bfloat16)
+    linears = [torch.nn.Linear(64, n, bias=False).to(dtype).requires_grad_(False) for n in (96, 32)]
+    params = [linear.weight for linear in linears]
+    plain = torch.cat([p.detach() for p in params])
+    weights = LinearWeights(linears)
     gemm = Gemm()
     gemm.prepack = True
-    first = gemm.linear(x, weight)
-    torch.testing.assert_close(first, F.linear(x, weight), atol=0.05, rtol=0.02)
-    assert gemm.packed_bytes > 0
-    weight.copy_(torch.randn(96, 64).to(torch.bfloat16))
-    gemm.weights_changed()
-    assert gemm.packed_bytes == 0
-    torch.testing.assert_close(gemm.linear(x, weight), F.linear(x, weight), atol=0.05, rtol=0.02)
+    gemm.pack(weights)
+    assert weights.packed is not None and gemm.packed_bytes == plain.numel() * plain.element_size()
+    for p in params:  # shapes kept, storage released
+        assert p.shape[1] == 64 and p.untyped_storage().nbytes() <= p.element_size()
+    with pytest.raises(RuntimeError, match="packed"):
+        weights.plain()
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    for rows in (1, 2, 8, 200):
+        x = torch.randn(rows, 64).to(dtype)
+        got = gemm.linear(x, weights)
+        torch.testing.assert_close(
+            got.float(), F.linear(x.float(), plain.float()), atol=tol, rtol=tol
+        )
+    gemm.unpack(weights)
+    assert weights.packed is None and gemm.packed_bytes == 0
+    assert torch.equal(weights.plain(), plain), "unpacking is exact"
 
 
 def test_upcast_products_match_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

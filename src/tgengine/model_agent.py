@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ from .models import (
     resolve_dtype,
     weight_specs,
 )
+from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
 from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
 from .step_sampler import sample_step
@@ -135,9 +136,11 @@ class ModelAgent:
         device = self._info.device if self._info else "cpu"
         weights = 0
         if self._model is not None and self._weights_resident:
-            weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
-            weights += self._model.gemm.packed_bytes
-        host = sum(t.numel() * t.element_size() for t in (self._host_weights or {}).values())
+            weights = resident_bytes(self._model)
+        host = 0
+        if self._model is not None and self._host_weights is not None:
+            # sleep(1) keeps the packed weights where they are: in host memory.
+            host = _storage_bytes(self._host_weights.values()) + self._model.gemm.packed_bytes
         allocator: dict[str, int] = {}
         if device.startswith("cuda"):
             allocator = {
@@ -165,6 +168,7 @@ class ModelAgent:
         eos = frozenset(model_config.eos_token_ids)
         self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))
         self._model.gemm.prepack = cfg.prepack_weights
+        pack_weights(self._model)
         self._weights_resident = True
         self._specs = weight_specs(self._model)
         max_len = cfg.max_model_len or model_config.max_position_embeddings
@@ -256,18 +260,21 @@ class ModelAgent:
 
     def _sleep(self, level: int) -> None:
         self._kv = None
-        if self._model is not None and self._weights_resident:
-            self._model.weights_changed()
+        model = self._model
+        if model is not None and self._weights_resident:
             if level == 1:
+                # Packed weights are host memory already and stay where they are.
                 self._host_weights = {
                     name: p.detach().to("cpu", copy=p.device.type != "cpu")
-                    for name, p in self._model.named_parameters()
+                    for name, p in model.named_parameters()
                 }
-            for p in self._model.parameters():
+            for p in model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_resident = False
         if level == 2:
             self._host_weights = None
+            if model is not None:
+                drop_packed(model)
         _free_device_memory()
 
     def _wakeup(self, tag: str) -> bool:
@@ -296,7 +303,7 @@ class ModelAgent:
                 p.data = torch.empty(shape, dtype=dtype, device=device)
         if reloaded:
             load_weights(self._model, iter_safetensors(self.config.model), strict=True)
-        self._model.weights_changed()
+            pack_weights(self._model)
         self._host_weights = None
         self._weights_resident = True
         return reloaded
@@ -323,11 +330,7 @@ class ModelAgent:
                 tensor.is_floating_point() and dtype.is_floating_point
             ):
                 raise InvalidRequestError("weights", f"{name}: dtype {tensor.dtype} != {dtype}")
-        params = dict(self._model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].data.copy_(tensor)  # copy_ casts to the parameter's dtype
-        self._model.weights_changed()
+        copy_weights(self._model, named)  # copy_ casts to each parameter's dtype
 
     def _release_all(self) -> None:
         self._kv = None
@@ -336,6 +339,12 @@ class ModelAgent:
         self._weights_resident = False
         self._generators.clear()
         _free_device_memory()
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views and placeholders count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _pick_device(device: str) -> torch.device:

@@ -1,16 +1,20 @@
 """``Gemm``: the linear layers' matrix products, routed to the fastest CPU kernel for their size.
 
-- One or two rows in bf16/fp16 (batch-1 decode): ATen's GEMV. oneDNN reorders the weight on
-  every call, which dominates a one-row product; the GEMV streams it about twice as fast.
-- 3 to ``PACK_MAX_ROWS`` rows, when ``prepack`` is on: oneDNN with the weight reordered once
-  and cached (1.3-2.4x faster than ``F.linear`` for 8-64 rows). Opt-in, because the cache is a
-  copy of the weights: whoever changes the weights (an update in place, sleep, wakeup) must
-  call ``weights_changed()``, or the cache would keep serving the old ones.
-- 3 or more rows in bf16/fp16 on a CPU without native half-precision matrix instructions
-  (AVX2 and older: oneDNN then refuses to pack, and its bf16 products run 3-8x slower than
-  float32): the weight is widened to float32 a slice of rows at a time (``UPCAST_CHUNK``
-  elements, a transient buffer, never a second resident copy) and multiplied in float32.
-- Everything else (prefill, float32, other devices): ``F.linear``.
+A linear product's weight is a ``LinearWeights``: one parameter, or several fused as row
+blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
+
+- **packed** (``Gemm.pack``, when ``prepack`` is on and oneDNN packs this dtype on this CPU:
+  float32 everywhere, bf16/fp16 with AVX-512 or AVX-NE-CONVERT): the weight reordered once
+  into oneDNN's blocked layout, and the parameters' own storage released (they keep their
+  names, shapes and dtypes, over a one-element placeholder). Every row count runs on it.
+  ``Gemm.unpack`` gives the plain form back, exactly (``to_dense``), before anything writes
+  into the parameters.
+- **plain**: the parameters themselves. One or two rows in bf16/fp16 (batch-1 decode) use
+  ATen's GEMV (oneDNN reorders the weight on every call, which dominates a one-row
+  product). More rows in bf16/fp16 on a CPU without native half-precision products (AVX2 and
+  older: oneDNN's products there run 3-8x slower than float32) widen the weight to float32 a
+  slice of rows at a time (``UPCAST_CHUNK`` elements: a transient buffer, never a second
+  resident copy). Everything else: ``F.linear``.
 
 All paths compute the same products; only the kernels differ.
 """
@@ -18,12 +22,14 @@ All paths compute the same products; only the kernels differ.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from tgengine.models.fused import fused_rows
+
 GEMV_MAX_ROWS = 2
-PACK_MAX_ROWS = 128
 UPCAST_CHUNK = 4 * 1024 * 1024  # weight elements widened at once: 16 MiB of float32
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -49,28 +55,55 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return True
 
 
+class LinearWeights:
+    """The weight of one linear product: its modules' weights as row blocks, plain or packed."""
+
+    def __init__(self, linears: Sequence[torch.nn.Linear]) -> None:
+        # The modules, not their parameters: loading may replace a module's parameter objects.
+        self._linears = tuple(linears)
+        self.packed: torch.Tensor | None = None
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        return tuple(linear.weight for linear in self._linears)
+
+    def plain(self) -> torch.Tensor:
+        """The ``[sum of rows, in_features]`` weight; only while not packed."""
+        if self.packed is not None:
+            raise RuntimeError("the weight is packed: unpack it before reading it plain")
+        return fused_rows(self.params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+
 class Gemm:
-    """Linear products for one model; ``prepack`` (default off) enables the packed-weight cache."""
+    """Linear products for one model; ``prepack`` (default off) lets ``pack`` pack weights."""
 
     def __init__(self) -> None:
         self.prepack = False
-        self._packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        # A running total, so that other threads read it while a forward packs more.
+        # A running total, so that other threads read it while the worker packs or unpacks.
         self.packed_bytes = 0
-        """Host memory the packed copies take (0 unless ``prepack``)."""
-
-    def weights_changed(self) -> None:
-        """Forget everything derived from the weights; call after changing or replacing them."""
-        self._packed = {}
-        self.packed_bytes = 0
+        """Host memory the packed weights take (the plain ones they replaced are freed)."""
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: LinearWeights | torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows = x.shape[0]
+        if isinstance(weight, LinearWeights):
+            if weight.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+            weight = weight.plain()
         if x.device.type != "cpu" or x.dtype not in _HALF or not torch.backends.mkldnn.enabled:
             return F.linear(x, weight, bias)
-        if rows <= GEMV_MAX_ROWS:
+        if x.shape[0] <= GEMV_MAX_ROWS:
             # A process-wide switch: the one thread that runs forwards holds it for one GEMV.
             torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
             try:
@@ -79,20 +112,44 @@ class Gemm:
                 torch.backends.mkldnn.enabled = True  # type: ignore[assignment]
         if not can_prepack(x.dtype):
             return _upcast_linear(x, weight, bias)
-        if self.prepack and rows <= PACK_MAX_ROWS:
-            packed = self._packed_weight(weight)
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
-    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), tuple(weight.shape))
-        packed = self._packed.get(key)
+    def can_pack(self, weights: LinearWeights) -> bool:
+        return self.prepack and weights.device.type == "cpu" and can_prepack(weights.dtype)
+
+    def pack(self, weights: LinearWeights) -> None:
+        """Replace the plain weight by its packed form (a no-op where packing is off or absent).
+
+        Peak memory: the plain and the packed form of this one weight, for a moment.
+        """
+        if weights.packed is not None or not self.can_pack(weights):
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weights.plain().detach())
+            for p in weights.params:
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+        weights.packed = packed
+        self.packed_bytes += packed.numel() * packed.element_size()
+
+    def unpack(self, weights: LinearWeights) -> None:
+        """Give the parameters their plain values back (exact) and drop the packed form."""
+        packed = weights.packed
         if packed is None:
-            with torch.inference_mode(False), torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self._packed[key] = packed
-            self.packed_bytes += packed.numel() * packed.element_size()
-        return packed
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            plain = packed.to_dense()
+            offset = 0
+            for p in weights.params:
+                rows = int(p.shape[0])
+                p.data = plain[offset : offset + rows]
+                offset += rows
+        self.drop(weights)
+
+    def drop(self, weights: LinearWeights) -> None:
+        """Forget the packed form without restoring the parameters (their values are discarded)."""
+        if weights.packed is not None:
+            self.packed_bytes -= weights.packed.numel() * weights.packed.element_size()
+            weights.packed = None
 
 
 def _upcast_linear(

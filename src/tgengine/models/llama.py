@@ -18,7 +18,7 @@ from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
 from tgengine.models.config import ModelConfig
 from tgengine.models.fused import fused_rows
-from tgengine.models.gemm import Gemm
+from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.rope import RotaryEmbedding, apply_rotary
@@ -64,14 +64,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # One GEMM for q, k and v: their weights are row blocks of one buffer.
+        self.qkv = LinearWeights([self.q_proj, self.k_proj, self.v_proj])
+        self.o = LinearWeights([self.o_proj])
+
+    def linear_weights(self) -> list[LinearWeights]:
+        return [self.qkv, self.o]
 
     def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
         rows = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        # One GEMM for q, k and v: their weights are row blocks of one buffer.
-        weight = fused_rows([p.weight for p in projs])
         bias = fused_rows([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        qkv = step.gemm.linear(x, weight, bias).view(rows, -1, self.head_dim)
+        qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
         # Queries and keys rotate in one go; values are the last kv heads, unrotated.
         qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], step.cos, step.sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -79,7 +83,7 @@ class Attention(nn.Module):
         blocks = step.kv_cache.layer_heads(layer)
         write_kv(blocks, step.inputs.slot_mapping, k, v)
         out = paged_attention(q, k, v, blocks, step.plan, self.scale)
-        return step.gemm.linear(out.reshape(rows, -1), self.o_proj.weight)
+        return step.gemm.linear(out.reshape(rows, -1), self.o)
 
 
 class MLP(nn.Module):
@@ -88,11 +92,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = LinearWeights([self.gate_proj, self.up_proj])
+        self.down = LinearWeights([self.down_proj])
+
+    def linear_weights(self) -> list[LinearWeights]:
+        return [self.gate_up, self.down]
 
     def forward(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-        gate_up = gemm.linear(x, fused_rows([self.gate_proj.weight, self.up_proj.weight]))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return gemm.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = gemm.linear(x, self.gate_up).chunk(2, dim=-1)
+        return gemm.linear(F.silu(gate) * up, self.down)
 
 
 class DecoderLayer(nn.Module):
@@ -122,10 +130,10 @@ class CausalLM(nn.Module):
     Build it (on the ``meta`` device if you like) and fill it with ``load_weights``;
     parameters never require grad. Call ``forward`` under ``torch.inference_mode()``.
 
-    ``gemm`` picks the kernel of each linear product (see ``models.gemm``). Its optional
-    packed-weight cache (``gemm.prepack = True``) is a copy of the weights: whoever changes
-    parameters after loading (in place, or by replacing ``.data``) then calls
-    ``weights_changed()``.
+    ``gemm`` picks the kernel of each linear product (see ``models.gemm``). With
+    ``gemm.prepack`` on, ``models.weights.pack_weights`` replaces the linear weights by their
+    packed form (one copy: the parameters then hold placeholders); change weights after
+    that only through ``models.weights`` (``copy_weights``), which unpacks what it writes.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -136,6 +144,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        self.head = LinearWeights([self.lm_head]) if self.lm_head is not None else None
         self.gemm = Gemm()
         self.use_kernels = True
         """Use tgengine's compiled CPU kernels where they apply (``models.kernels``)."""
@@ -146,9 +155,13 @@ class CausalLM(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
 
-    def weights_changed(self) -> None:
-        """Drop what was derived from the weights (packed copies); call after changing them."""
-        self.gemm.weights_changed()
+    def linear_weights(self) -> list[LinearWeights]:
+        """Every linear product's weight (the tied head, which the embedding reads, excluded)."""
+        found: list[LinearWeights] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            found += [*layer.self_attn.linear_weights(), *layer.mlp.linear_weights()]
+        return [*found, self.head] if self.head is not None else found
 
     def forward(self, inputs: ForwardInputs, kv_cache: KVCache) -> torch.Tensor:
         """Float32 logits ``[len(inputs.logits_rows), vocab_size]`` (all rows if it is None).
@@ -170,5 +183,5 @@ class CausalLM(nn.Module):
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
         x = self.model.norm(x)
-        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        head = self.head if self.head is not None else self.model.embed_tokens.weight
         return self.gemm.linear(x, head).float()

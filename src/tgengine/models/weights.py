@@ -1,0 +1,59 @@
+"""One resident copy of the weights: packing, unpacking and writing them, and what they take.
+
+With ``Gemm.prepack`` on (CPU, where oneDNN packs the dtype), every linear weight lives in
+oneDNN's packed layout only; its parameters hold one-element placeholders of the right shape.
+Whatever writes weights (a weight update) goes through ``copy_weights``, which unpacks each
+linear product it touches, writes, and packs it again: one product's plain form exists beside
+its packed one for a moment, never the whole model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tgengine.models.gemm import LinearWeights
+from tgengine.models.llama import CausalLM
+
+
+def pack_weights(model: CausalLM) -> None:
+    """Pack every linear weight that packing applies to (a no-op without ``gemm.prepack``)."""
+    for weights in model.linear_weights():
+        model.gemm.pack(weights)
+
+
+def drop_packed(model: CausalLM) -> None:
+    """Forget the packed weights, whose values are being discarded (sleep level 2)."""
+    for weights in model.linear_weights():
+        model.gemm.drop(weights)
+
+
+def copy_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into the parameters named (validated by the caller), packed ones included."""
+    params = dict(model.named_parameters())
+    owner: dict[int, LinearWeights] = {}
+    for weights in model.linear_weights():
+        for p in weights.params:
+            owner[id(p)] = weights
+    repack: list[LinearWeights] = []
+    with torch.no_grad():
+        for name, tensor in named:
+            param = params[name]
+            packed = owner.get(id(param))
+            if packed is not None and packed.packed is not None:
+                model.gemm.unpack(packed)
+                repack.append(packed)
+            param.data.copy_(tensor)
+    for weights in repack:
+        model.gemm.pack(weights)
+
+
+def resident_bytes(model: CausalLM) -> int:
+    """Bytes the weights take: each parameter storage once, plus the packed weights."""
+    storages: dict[int, int] = {}
+    for p in model.parameters():
+        if p.numel():
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) + model.gemm.packed_bytes
