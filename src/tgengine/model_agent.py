@@ -26,7 +26,7 @@ from .models import (
     CausalLM,
     KVCache,
     ModelConfig,
-    iter_safetensors,
+    iter_stored,
     load_model,
     load_model_config,
     load_weights,
@@ -302,7 +302,7 @@ class ModelAgent:
                 shape, dtype = self._specs[name]
                 p.data = torch.empty(shape, dtype=dtype, device=device)
         if reloaded:
-            load_weights(self._model, iter_safetensors(self.config.model), strict=True)
+            load_weights(self._model, iter_stored(self.config.model), strict=True)
             pack_weights(self._model)
         self._host_weights = None
         self._weights_resident = True

@@ -6,7 +6,13 @@ from tgengine.models.config import ModelConfig, RopeConfig, load_model_config, r
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.llama import CausalLM
-from tgengine.models.loader import iter_safetensors, load_model, load_weights, weight_specs
+from tgengine.models.loader import (
+    iter_safetensors,
+    iter_stored,
+    load_model,
+    load_weights,
+    weight_specs,
+)
 
 __all__ = [
     "CausalLM",
@@ -16,6 +22,7 @@ __all__ = [
     "PrefillSpan",
     "RopeConfig",
     "iter_safetensors",
+    "iter_stored",
     "load_model",
     "load_model_config",
     "load_weights",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from tgengine.errors import ModelLoadError
 from tgengine.models.config import ModelConfig, resolve_dtype
 from tgengine.models.llama import CausalLM
+from tgengine.models.safetensors_reader import StoredTensor, stored_tensors
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -24,16 +26,36 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     Reads ``model.safetensors.index.json`` shards if present, else ``model.safetensors``, else
     every ``*.safetensors`` file. Raises ``ModelLoadError`` when there is none.
     """
-    from safetensors import safe_open
+    for name, stored in iter_stored(model_dir):
+        yield name, _read(stored, model_dir)
 
+
+def iter_stored(model_dir: str | Path) -> Iterator[tuple[str, StoredTensor]]:
+    """Like ``iter_safetensors``, but nothing is read yet: shard by shard, tensor by tensor."""
     for file in _safetensors_files(Path(model_dir)):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as exc:
-            reason = f"cannot read {file.name}: {type(exc).__name__}: {exc}".splitlines()[0]
-            raise ModelLoadError(str(model_dir), reason) from exc
+            stored = list(stored_tensors(file))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise _unreadable(model_dir, file, exc) from exc
+        for tensor in stored:
+            yield tensor.name, tensor
+
+
+def _read(
+    stored: StoredTensor, model_dir: str | Path, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    try:
+        if into is None:
+            return stored.read()
+        stored.copy_into(into)
+        return into
+    except (OSError, ValueError) as exc:
+        raise _unreadable(model_dir, stored.file, exc) from exc
+
+
+def _unreadable(model_dir: str | Path, file: Path, exc: Exception) -> ModelLoadError:
+    reason = f"cannot read {file.name}: {type(exc).__name__}: {exc}".splitlines()[0]
+    return ModelLoadError(str(model_dir), reason)
 
 
 def load_model(
@@ -54,7 +76,7 @@ def load_model(
     # On meta these casts cost nothing; to_empty then allocates each parameter once.
     model.to(dtype=dtype)
     model.to_empty(device=device)
-    load_weights(model, iter_safetensors(model_dir), strict=True, source=str(model_dir))
+    load_weights(model, iter_stored(model_dir), strict=True, source=str(model_dir))
     return model.eval()
 
 
@@ -65,12 +87,14 @@ def weight_specs(model: CausalLM) -> dict[str, tuple[torch.Size, torch.dtype]]:
 
 def load_weights(
     model: CausalLM,
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    named_tensors: Iterable[tuple[str, torch.Tensor | StoredTensor]],
     *,
     strict: bool,
     source: str = "weights",
 ) -> set[str]:
     """Copy tensors into the model's parameters in place (cast to their dtype and device).
+
+    A ``StoredTensor`` (``iter_stored``) is read from disk straight into its parameter.
 
     Returns the names loaded. Names like ``rotary_emb.inv_freq`` are ignored, and so is
     ``lm_head.weight`` when the model ties it to the embedding. With ``strict``, every
@@ -95,7 +119,10 @@ def load_weights(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(param.shape)}",
                 )
-            param.copy_(tensor)
+            if isinstance(tensor, StoredTensor):
+                _read(tensor, source, into=param)
+            else:
+                param.copy_(tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if strict and missing:

@@ -1,0 +1,97 @@
+"""Read safetensors files tensor by tensor with plain reads, straight into their destination.
+
+The format is an 8-byte little-endian header length, a JSON header (``{name: {"dtype",
+"shape", "data_offsets": [begin, end]}}``, offsets from the end of the header) and the raw
+bytes. ``safetensors.safe_open`` memory-maps the whole file, and every page a load touches
+then counts in the process's RSS until the file is closed: a single-file checkpoint peaks at
+twice its size. Reading each tensor with ``readinto`` into the parameter it fills costs no
+second copy and leaves nothing mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file, not read yet."""
+
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+    def copy_into(self, param: torch.Tensor) -> None:
+        """Fill ``param`` (same shape; any dtype and device) with this tensor's values."""
+        direct = param.device.type == "cpu" and param.dtype == self.dtype
+        if direct and param.is_contiguous():
+            self.read_into(param)
+        else:
+            param.copy_(self.read())
+
+    def read_into(self, out: torch.Tensor) -> None:
+        nbytes = self.end - self.begin
+        if out.numel() * out.element_size() != nbytes:
+            raise ValueError(f"{self.name}: {nbytes} bytes on disk, {tuple(out.shape)} expected")
+        if nbytes == 0:
+            return
+        view = out.detach().view(-1).view(torch.uint8).numpy().data
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(self.begin)
+            done = 0
+            while done < nbytes:
+                count = f.readinto(view[done:])
+                if not count:
+                    raise ValueError(f"{self.name}: the file ends before its data does")
+                done += count
+
+
+def stored_tensors(file: Path) -> Iterator[StoredTensor]:
+    """The tensors of one file, in the order of their data."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8) or b"\0" * 8)
+        if not 0 < length <= _MAX_HEADER:
+            raise ValueError(f"header length {length} is not plausible")
+        header = json.loads(f.read(length))
+        size = f.seek(0, 2)
+    start = 8 + length
+    entries = sorted(
+        ((name, meta) for name, meta in header.items() if name != "__metadata__"),
+        key=lambda item: item[1]["data_offsets"][0],
+    )
+    for name, meta in entries:
+        dtype = _DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{name}: unsupported dtype {meta['dtype']}")
+        begin, end = (start + int(o) for o in meta["data_offsets"])
+        if not start <= begin <= end <= size:
+            raise ValueError(f"{name}: data offsets outside the file")
+        yield StoredTensor(file, name, dtype, torch.Size(meta["shape"]), begin, end)
