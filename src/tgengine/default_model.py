@@ -53,8 +53,12 @@ def default_model_dir() -> Path:
     ``$TGENGINE_CACHE/SmolLM2-135M-Instruct`` when the variable is set and non-empty,
     else ``~/.cache/tgengine/SmolLM2-135M-Instruct``.
     """
-    cache = os.environ.get("TGENGINE_CACHE") or "~/.cache/tgengine"
-    return Path(cache).expanduser() / DEFAULT_MODEL_NAME
+    return cache_root() / DEFAULT_MODEL_NAME
+
+
+def cache_root() -> Path:
+    """``$TGENGINE_CACHE`` when set and non-empty, else ``~/.cache/tgengine``."""
+    return Path(os.environ.get("TGENGINE_CACHE") or "~/.cache/tgengine").expanduser()
 
 
 def is_converted(model_dir: Path) -> bool:

@@ -59,13 +59,19 @@ class AgentInfo:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Bytes held on one device; ``host_weights_bytes`` are weights offloaded by sleep(1)."""
+    """Bytes held on one device; ``host_weights_bytes`` are weights offloaded by sleep(1).
+
+    ``rss_bytes`` and ``peak_rss_bytes`` are the whole process's resident memory now and at
+    its highest so far (host memory: on CPU, weights + KV cache + the runtime's overhead).
+    """
 
     device: str
     weights_bytes: int
     kv_cache_bytes: int
     host_weights_bytes: int
     allocator: dict[str, int]
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
 
 
 class ModelAgent:
@@ -148,7 +154,8 @@ class ModelAgent:
                 "reserved_bytes": torch.cuda.memory_reserved(device),
             }
         kv = self._kv.nbytes if self._kv is not None else 0
-        return {device: MemoryStats(device, weights, kv, host, allocator)}
+        rss, peak = _process_rss()
+        return {device: MemoryStats(device, weights, kv, host, allocator, rss, peak)}
 
     # -- worker-thread side ---------------------------------------------------------
 
@@ -339,6 +346,18 @@ class ModelAgent:
         self._weights_resident = False
         self._generators.clear()
         _free_device_memory()
+
+
+def _process_rss() -> tuple[int, int]:
+    """This process's resident set size now and its peak (Linux and macOS report the peak)."""
+    import resource
+
+    import psutil
+
+    rss = int(psutil.Process().memory_info().rss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return rss, max(rss, int(peak))
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

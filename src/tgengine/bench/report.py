@@ -175,6 +175,7 @@ def _lifecycle(result: dict[str, Any]) -> str:
                 "weights": stats.get("weights_bytes", 0) / _MIB,
                 "kv": stats.get("kv_cache_bytes", 0) / _MIB,
                 "host": stats.get("host_weights_bytes", 0) / _MIB,
+                "peak": stats.get("peak_rss_bytes", 0) / _MIB,
             }
         )
     out += "\n\n" + table(
@@ -185,6 +186,7 @@ def _lifecycle(result: dict[str, Any]) -> str:
             ("weights", "weights"),
             ("kv", "KV cache"),
             ("host", "host weights"),
+            ("peak", "peak RSS so far"),
         ],
     )
     d = result["drift"]
@@ -194,6 +196,46 @@ def _lifecycle(result: dict[str, Any]) -> str:
         f"(drift {d['rss_drift_bytes'] / _MIB:+.1f} MiB; after the first cycle "
         f"{d['rss_drift_after_first_cycle_bytes'] / _MIB:+.1f} MiB)"
     )
+    return out
+
+
+def _memory(result: dict[str, Any]) -> str:
+    rows = [
+        {
+            "system": r["system"],
+            "base": r["base_rss_bytes"] / _MIB,
+            "load_peak": r["load_peak_rss_bytes"] / _MIB,
+            "steady": r["steady_rss_bytes"] / _MIB,
+            "weights": r["weights_bytes"] / _MIB,
+            "kv": r["kv_cache_bytes"] / _MIB,
+            "load_s": r["load_s"],
+            "batch": r["batch_tokens_per_s"],
+            "decode": r["decode_tokens_per_s"],
+        }
+        for r in result["rows"]
+    ]
+    out = table(
+        rows,
+        [
+            ("system", "system (MiB)"),
+            ("base", "RSS after imports"),
+            ("load_peak", "peak RSS loading"),
+            ("steady", "steady RSS"),
+            ("weights", "weights"),
+            ("kv", "KV cache"),
+            ("load_s", "load s"),
+            ("batch", "batch-8 tok/s"),
+            ("decode", "batch-1 tok/s"),
+        ],
+    )
+    s = result["summary"]
+    out += f"\n\ncheckpoint: {s['checkpoint_bytes'] / _MIB:.0f} MiB"
+    if "peak_over_steady" in s:
+        out += (
+            f"; tgengine steady RSS - (weights + KV cache) = "
+            f"{s['steady_over_weights_and_kv_bytes'] / _MIB:.0f} MiB; "
+            f"peak / steady = {s['peak_over_steady']:.3f}"
+        )
     return out
 
 
@@ -239,6 +281,7 @@ _RENDERERS = {
     "lifecycle": _lifecycle,
     "parity": _parity,
     "structured": _structured,
+    "memory": _memory,
 }
 
 
@@ -339,6 +382,21 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[1].plot(range(len(rss)), rss, marker="o")
         axes[1].set_xlabel("sleep/wakeup cycle")
         axes[1].set_ylabel("process RSS (MiB)")
+    elif kind == "memory":
+        rows = result["rows"]
+        names = [r["system"] for r in rows]
+        for i, key in enumerate(("load_peak_rss_bytes", "steady_rss_bytes", "weights_bytes")):
+            axes[0].barh(
+                [j + 0.25 * i for j in range(len(rows))],
+                [r[key] / _MIB for r in rows],
+                height=0.25,
+                label=key.removesuffix("_bytes"),
+            )
+        axes[0].set_yticks(range(len(rows)), names)
+        axes[0].set_xlabel("MiB")
+        axes[0].legend()
+        axes[1].barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
+        axes[1].set_xlabel("batch-1 decode tokens/s")
     fig.suptitle(f"tgengine bench {kind}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -164,6 +164,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt-len", type=int, help="default: 32")
     p.add_argument("--max-tokens", type=int, help="default: 32")
     p.set_defaults(handler=run, runner=_structured)
+    p = benches.add_parser("memory", help="host memory of a synthetic 1B Llama: load, steady")
+    _common(p)
+    p.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="where the synthetic model is written once (default: the cache dir)",
+    )
+    p.add_argument("--systems", default="tgengine,transformers", help="default: %(default)s")
+    p.add_argument("--decode-tokens", type=int, help="tokens per request (default: 16)")
+    p.set_defaults(handler=run, runner=_memory)
 
 
 def _pick(value: Any, normal: Any, quick: Any, args: argparse.Namespace) -> Any:
@@ -230,6 +240,29 @@ def _structured(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         prompt_len=_pick(args.prompt_len, 32, 8, args),
         max_tokens=_pick(args.max_tokens, 32, 6, args),
         seed=args.seed,
+    )
+
+
+def _memory(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from pathlib import Path
+
+    from ..bench.memory import LLAMA_1B, run_memory, write_synthetic_1b
+    from ..default_model import cache_root
+
+    shape = dict(LLAMA_1B)
+    if args.quick:  # a few MB with the same structure, for tests
+        shape |= {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128}
+        shape |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        shape |= {"head_dim": 16}
+    name = "synthetic-llama-1b" + ("-quick" if args.quick else "")
+    model_dir = Path(args.model_dir) if args.model_dir else cache_root() / name
+    write_synthetic_1b(model_dir, shape)
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    return run_memory(
+        setup,
+        model_dir=model_dir,
+        systems=systems,
+        decode_tokens=_pick(args.decode_tokens, 16, 4, args),
     )
 
 

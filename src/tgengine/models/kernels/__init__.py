@@ -47,8 +47,9 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TGENGINE_CACHE") or Path.home() / ".cache" / "tgengine"
-    return Path(root) / "kernels"
+    from tgengine.default_model import cache_root
+
+    return cache_root() / "kernels"
 
 
 @functools.cache
