@@ -16,8 +16,8 @@ class EngineConfig:
     ``gpu_memory_utilization`` of free memory on CUDA, and a fixed 512 MiB budget on CPU.
     ``num_threads`` sets torch's CPU threads (process-wide); on CPU it defaults to one
     less than the number of cores, leaving one to the event loop. ``prepack_weights``: on
-    CPU in bfloat16/float16, keep a oneDNN-packed copy of each linear weight for batched
-    decode (faster steps, one more copy of those weights in host memory).
+    CPU, where oneDNN packs the dtype, replace each linear weight by its packed form
+    (faster products; still one copy of the weights, see docs/engine.md).
     """
 
     model: str

@@ -36,8 +36,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--prepack-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on CPU in bf16/fp16, keep oneDNN-packed copies of the linear weights for "
-        "batched decode: faster, one more copy in memory (default: on)",
+        help="on CPU, replace the linear weights by their oneDNN-packed form where this CPU "
+        "packs the dtype: faster products, still one copy (default: on)",
     )
     parser.add_argument(
         "--backend",
