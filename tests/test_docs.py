@@ -23,7 +23,7 @@ def examples() -> list[tuple[str, str]]:
 
 
 def test_each_capability_page_has_asyncio_and_trio_examples() -> None:
-    for page in ("engine.md", "lifecycle.md", "sampling.md"):
+    for page in ("engine.md", "lifecycle.md", "sampling.md", "structured-outputs.md"):
         code = "".join(c for name, c in examples() if name.startswith(page))
         assert 'backend="asyncio"' in code and 'backend="trio"' in code, page
 

@@ -110,17 +110,22 @@ async def test_compiled_grammars_are_cached(tiny_llama_dir: Path) -> None:
 
 
 async def test_pause_update_weights_and_sleep_keep_constraints(tiny_llama_dir: Path) -> None:
-    """Mid-request: pause(keep) + update_weights, then sleep(drain); all outputs stay valid,
-    and a request held while asleep (level 2: weights reloaded) is valid after wakeup."""
+    """Mid-request: abort one, pause(keep) + update_weights, then sleep(drain); the others
+    stay valid, and a request held while asleep (level 2: weights reloaded) is valid after
+    wakeup."""
     with anyio.fail_after(TIMEOUT):
         config = tiny_config(tiny_llama_dir, when_asleep="wait")
         async with open_engine(config) as engine:
             first = Consumer(engine, [5, 6, 7], constrained("json", temperature=0.0))
             second = Consumer(engine, [8, 9], constrained("grammar"))
             held = Consumer(engine, [10, 11], constrained("regex"))
+            aborted = Consumer(engine, [12, 13], constrained("json"), "aborted")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(first.run)
                 tg.start_soon(second.run)
+                tg.start_soon(aborted.run)
+                await aborted.first_chunk.wait()
+                engine.abort("aborted")
                 await first.first_chunk.wait()
                 await engine.pause("keep")
                 await engine.update_weights(tiny_llama_dir)
@@ -131,6 +136,7 @@ async def test_pause_update_weights_and_sleep_keep_constraints(tiny_llama_dir: P
                 assert engine.stats().num_waiting == 1 and held.error is None
                 await engine.wakeup()
     assert engine.weight_version == 2
+    assert aborted.finish_reason == "abort"
     for consumer, kind in ((first, "json"), (second, "grammar"), (held, "regex")):
         assert consumer.finish_reason == "stop"
         check_output(kind, text_of(consumer.chunks))
