@@ -33,6 +33,7 @@ from .models import (
     resolve_dtype,
     weight_specs,
 )
+from .models import kernels
 from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
 from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
@@ -171,6 +172,8 @@ class ModelAgent:
         device = _pick_device(cfg.device)
         if cfg.num_threads or device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or _default_cpu_threads())
+        if device.type == "cpu":
+            kernels.load()  # built once per machine; at start-up, not in the first step
         self._model = load_model(model_config, cfg.model, dtype, device)
         eos = frozenset(model_config.eos_token_ids)
         self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))

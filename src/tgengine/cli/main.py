@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -37,4 +38,7 @@ def _optional_command(name: str) -> ModuleType | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # Warnings from everywhere; one-time progress lines (a kernel compiling) from tgengine.
+    logging.basicConfig(format="%(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("tgengine.models.kernels").setLevel(logging.INFO)
     sys.exit(args.handler(args))
