@@ -27,13 +27,13 @@ from .models import (
     KVCache,
     ModelConfig,
     iter_stored,
+    kernels,
     load_model,
     load_model_config,
     load_weights,
     resolve_dtype,
     weight_specs,
 )
-from .models import kernels
 from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
 from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
