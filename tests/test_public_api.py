@@ -20,8 +20,10 @@ PUBLIC = {
     "CacheNotReadyError",
     "Engine",
     "EngineConfig",
+    "EngineClient",
     "EngineDeadError",
     "EnginePausedError",
+    "EngineProcessExited",
     "EngineSleepingError",
     "EngineState",
     "EngineStats",
@@ -30,6 +32,7 @@ PUBLIC = {
     "InvalidRequestError",
     "MemoryStats",
     "ModelLoadError",
+    "ProcessEngine",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -54,6 +57,26 @@ def test_error_tree() -> None:
     ):
         assert issubclass(error, TGEngineError)
     assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_errors_cross_a_process_boundary_as_themselves() -> None:
+    import pickle
+
+    from tgengine import EnginePausedError, IllegalStateError
+
+    errors = [
+        EngineSleepingError({"weights"}),
+        EnginePausedError(),
+        EngineStoppedError("stopping"),
+        EngineDeadError("boom"),
+        CacheNotReadyError("r1", "released"),
+        IllegalStateError("pause", "stopped"),
+        InvalidRequestError("prompt", "must not be empty"),
+    ]
+    for error in errors:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+        assert vars(copy) == vars(error)
 
 
 @pytest.mark.parametrize(

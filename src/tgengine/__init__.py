@@ -2,6 +2,7 @@
 
 from .config import EngineConfig
 from .engine import Engine
+from .engine_client import EngineClient
 from .errors import (
     CacheNotReadyError,
     EngineDeadError,
@@ -16,6 +17,7 @@ from .errors import (
 from .model_agent import MemoryStats
 from .open_engine import open_engine
 from .outputs import RequestOutput
+from .process import EngineProcessExited, ProcessEngine
 from .sampling import SamplingParams
 from .state import EngineState
 from .stats import EngineStats
@@ -24,9 +26,11 @@ from .structured_outputs import StructuredOutputsParams
 __all__ = [
     "CacheNotReadyError",
     "Engine",
+    "EngineClient",
     "EngineConfig",
     "EngineDeadError",
     "EnginePausedError",
+    "EngineProcessExited",
     "EngineSleepingError",
     "EngineState",
     "EngineStats",
@@ -35,6 +39,7 @@ __all__ = [
     "InvalidRequestError",
     "MemoryStats",
     "ModelLoadError",
+    "ProcessEngine",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

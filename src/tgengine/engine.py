@@ -28,6 +28,7 @@ from .executor import UniExecutor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
+from .prompts import encode_prompt
 from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker, new_requests
 from .sampling import SamplingParams
@@ -240,23 +241,8 @@ class Engine:
             raise EnginePausedError()
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = list(self._tokenizer.encode(prompt)) if prompt else []
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError("prompt", "must be a str or a list of int token ids")
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        limit = self.max_model_len - 1
-        if len(token_ids) > limit:
-            raise InvalidRequestError(
-                "prompt", f"{len(token_ids)} tokens; this model allows at most {limit}"
-            )
-        return token_ids
+        vocab_size = self.model_config.vocab_size
+        return encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

@@ -19,6 +19,20 @@ from __future__ import annotations
 class TGEngineError(Exception):
     """Base class of every error tgengine raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Subclasses build their message from other arguments: rebuild from the state, so
+        # an error crosses a process boundary (pickle) as itself.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(
+    cls: type[TGEngineError], args: tuple[object, ...], state: dict[str, object]
+) -> object:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class EngineSleepingError(TGEngineError):
     """A request was refused because a memory tag is not resident."""

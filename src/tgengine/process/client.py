@@ -1,0 +1,471 @@
+"""``ProcessEngine``: ``Engine``'s public API, with the engine's ``run()`` in a child process.
+
+The child (``python -m tgengine.process.child``) runs the real ``Engine``; this parent
+tokenizes, admits, and streams chunks over a socket pair. Synchronous calls (``generate``
+admission, ``state``, ``stats()``, ``memory_stats()``) answer from the latest ``Snapshot``
+the child sent; control calls are remote calls that raise the child's exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
+import sniffio
+from anyio.abc import UNIXSocketStream
+
+from .._faults import FaultInjector
+from .._groups import root_cause
+from ..config import EngineConfig
+from ..errors import (
+    EngineDeadError,
+    EnginePausedError,
+    EngineSleepingError,
+    EngineStoppedError,
+    IllegalStateError,
+    InvalidRequestError,
+)
+from ..model_agent import MemoryStats
+from ..prompts import encode_prompt
+from ..sampling import SamplingParams
+from ..state import MEMORY_TAGS, EngineState
+from ..stats import EngineStats
+from ..tokenizer import load_tokenizer
+from .errors import EngineProcessExited, describe_status
+from .messages import (
+    Abort,
+    Call,
+    FaultPlan,
+    Final,
+    Frame,
+    Generate,
+    Output,
+    Ready,
+    Refused,
+    Reply,
+    Setup,
+    Snapshot,
+    Stop,
+)
+from .remote_stream import RemoteRequest, RemoteStream
+from .weights_file import remove_weights_dir, write_weights_dir
+from .wire import Channel
+
+if TYPE_CHECKING:
+    import torch
+
+S = EngineState
+# Refusals the child makes after the parent admitted (a race with a control call): the
+# request ends with this reason, as if admitted an instant before the state changed.
+REFUSED_AS_ABORT = (EngineStoppedError, EnginePausedError, EngineSleepingError, IllegalStateError)
+
+
+@dataclasses.dataclass
+class _PendingCall:
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    error: BaseException | None = None
+
+
+class ProcessEngine:
+    """An ``Engine`` in its own process, behind the same API (``EngineClient``).
+
+    ``await tg.start(client.run)`` starts the engine process and returns once it can
+    serve; ``stop(grace)`` or cancelling ends it (the process gets ``shutdown_timeout``
+    seconds to exit before it is killed). If the process dies — killed, crashed, or a fault
+    inside its engine — every admitted request ends with its ``"error"`` chunk and
+    ``run()`` raises ``EngineDeadError``; its ``__cause__`` is the engine's exception, or
+    ``EngineProcessExited`` with the exit status. The child exits by itself within a few
+    seconds of this process dying.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        shutdown_timeout: float = 10.0,
+        _faults: FaultInjector | None = None,
+    ) -> None:
+        self.config = config
+        self.shutdown_timeout = shutdown_timeout
+        self.pid: int | None = None
+        self._faults = _fault_plan(_faults)
+        self._state = S.STARTING
+        self._run_called = False
+        self._stopping = False
+        self._cause: BaseException | None = None
+        self._tokenizer: Any = None
+        self._ready: Ready | None = None
+        self._final: Final | None = None
+        self._snapshot: Snapshot | None = None
+        self._snapshot_time = 0.0
+        self._requests: dict[int, RemoteRequest] = {}  # by key
+        self._keys_by_id: dict[str, int] = {}
+        self._calls: dict[int, _PendingCall] = {}
+        self._counter = itertools.count()
+        self._outbox, self._outgoing = anyio.create_memory_object_stream[Any](math.inf)
+        self._started = anyio.Event()
+        self._lost = anyio.Event()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the engine process, serve until stopped, then return.
+
+        ``started()`` is called once the child's engine can serve. Cancellation stops the
+        child (``stop(grace=0)``) and waits for it to exit. A dead child raises
+        ``EngineDeadError`` after every admitted request got its ``"error"`` chunk.
+        """
+        if self._run_called:
+            raise IllegalStateError("run the engine twice", str(self._state))
+        self._run_called = True
+        try:
+            process, channel = await self._spawn()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._write_loop, channel)
+                    tg.start_soon(self._read_loop, channel, tg.cancel_scope)
+                    self._send(Setup(self.config, self._faults))
+                    self._tokenizer = await anyio.to_thread.run_sync(
+                        load_tokenizer, self.config.tokenizer or self.config.model
+                    )
+                    await self._started.wait()
+                    task_status.started()
+                    await anyio.sleep_forever()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._reap(process, channel)
+        except Exception as exc:
+            cause = root_cause(exc)
+            self._die(cause)
+            raise EngineDeadError(f"{type(cause).__name__}: {cause}") from cause
+        if self._cause is not None:
+            cause = self._cause
+            raise EngineDeadError(f"{type(cause).__name__}: {cause}") from cause
+
+    async def _spawn(self) -> tuple[anyio.abc.Process, Channel]:
+        parent, child = socket.socketpair()
+        try:
+            with child:
+                command = [sys.executable, "-m", "tgengine.process.child"]
+                command += ["--fd", str(child.fileno()), "--backend", _backend()]
+                process = await anyio.open_process(
+                    command,
+                    pass_fds=(child.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=None,
+                    stderr=None,
+                )
+            self.pid = process.pid
+            return process, Channel(await UNIXSocketStream.from_socket(parent))
+        except BaseException:
+            parent.close()
+            raise
+
+    async def _reap(self, process: anyio.abc.Process, channel: Channel) -> None:
+        """Make sure the child is gone, and settle the state from how it went."""
+        went_by_itself = self._lost.is_set()
+        await channel.aclose()  # the child sees end-of-stream: it stops now (grace 0)
+        final = self._final
+        clean = final is not None and final.cause is None
+        if went_by_itself and not clean:
+            # The exit status can take a while (interpreter teardown): end every request
+            # now with what is known, as Engine does before its own cleanup.
+            known = final.cause if final is not None else None
+            reason = f"{type(known).__name__}: {known}" if known else "its process ended"
+            self._end_all("error", f"engine died: {reason}")
+        with anyio.move_on_after(self.shutdown_timeout):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+        returncode = await process.wait()
+        await process.aclose()
+        if not went_by_itself or (clean and returncode == 0 and self._stopping):
+            self._end_all("abort")
+            if self._state is not S.DEAD:
+                self._state = S.STOPPED
+            return
+        cause: BaseException
+        if self._final is not None and self._final.cause is not None:
+            cause = self._final.cause
+            cause.add_note(f"(engine process {self.pid} exited with {describe_status(returncode)})")
+        else:
+            cause = EngineProcessExited(process.pid, returncode)
+        self._die(cause)
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Stop admitting; let admitted requests run up to ``grace`` seconds, abort the rest.
+
+        ``run()`` returns once the engine process has exited. Idempotent.
+        """
+        if self._state in (S.STOPPING, S.STOPPED, S.DEAD):
+            return
+        self._state = S.STOPPING
+        self._stopping = True
+        self._send(Stop(max(0.0, grace)))
+
+    def _die(self, cause: BaseException) -> None:
+        if self._cause is None:  # a snapshot may have said DEAD already; this says why
+            self._cause = cause
+        self._state = S.DEAD
+        self._end_all("error", f"engine died: {type(cause).__name__}: {cause}")
+
+    def _end_all(self, reason: Literal["abort", "error"], error: str | None = None) -> None:
+        for request in list(self._requests.values()):
+            request.end(reason, error, self.weight_version)
+        self._requests.clear()
+        self._keys_by_id.clear()
+        for call in self._calls.values():
+            call.error = IllegalStateError("finish the call", str(self._state))
+            call.done.set()
+
+    # -- requests -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RemoteStream:
+        """Admit one request and return the stream of its chunks; as ``Engine.generate``."""
+        self._check_admission()
+        assert self._ready is not None
+        params = params or SamplingParams()
+        ready = self._ready
+        token_ids = encode_prompt(
+            self._tokenizer, prompt, ready.model_config.vocab_size, ready.max_model_len
+        )
+        key = next(self._counter)
+        if request_id is None:
+            request_id = f"req-{key}"
+        elif request_id in self._keys_by_id:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        request = RemoteRequest(key, request_id, len(token_ids), send)
+        self._requests[key] = request
+        self._keys_by_id[request_id] = key
+        self._send(Generate(key, request_id, token_ids, params))
+        return RemoteStream(request, receive, self._let_go)
+
+    def _check_admission(self) -> None:
+        state = self._state
+        if state is S.STARTING or self._ready is None:
+            raise IllegalStateError("generate before the engine started", str(state))
+        if state in (S.STOPPING, S.STOPPED):
+            raise EngineStoppedError(str(state))
+        if state is S.DEAD:
+            raise EngineDeadError(str(self._cause)) from self._cause
+        refusal = self._snapshot.refusal if self._snapshot else None
+        if refusal is not None:
+            raise copy.copy(refusal)
+
+    def abort(self, request_id: str) -> None:
+        """End a request with ``finish_reason="abort"`` (the chunk comes from the engine)."""
+        if self._keys_by_id.pop(request_id, None) is not None:
+            self._send(Abort(request_id))
+
+    def _let_go(self, request: RemoteRequest) -> None:
+        request.finished = True
+        request.send.close()
+        self._requests.pop(request.key, None)
+        if self._keys_by_id.get(request.request_id) == request.key:
+            del self._keys_by_id[request.request_id]
+            self._send(Abort(request.request_id))
+
+    # -- control --------------------------------------------------------------------
+
+    async def pause(self, mode: Literal["abort", "drain", "keep"] = "abort") -> None:
+        """As ``Engine.pause``, in the engine process."""
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        """As ``Engine.resume``, in the engine process."""
+        await self._call("resume")
+
+    async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
+        """As ``Engine.sleep``: returns once the engine process has released the memory."""
+        await self._call("sleep", level, mode)
+
+    async def wakeup(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """As ``Engine.wakeup``, in the engine process."""
+        await self._call("wakeup", (tags,) if isinstance(tags, str) else tuple(tags))
+
+    async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As ``Engine.update_weights``. Tensors travel as one safetensors file (in
+        ``/dev/shm`` where it exists), written in a thread and removed afterwards."""
+        if isinstance(source, (str, Path)):
+            await self._call("update_weights", str(source))
+            return
+        named = list(source)
+        path = await anyio.to_thread.run_sync(write_weights_dir, named)
+        try:
+            await self._call("update_weights", str(path))
+        finally:
+            remove_weights_dir(path)
+
+    async def _call(self, method: str, *args: Any) -> None:
+        if self._state in (S.STARTING, S.STOPPED, S.DEAD) or self._lost.is_set():
+            raise IllegalStateError(method.replace("_", " "), str(self._state))
+        call_id = next(self._counter)
+        call = self._calls[call_id] = _PendingCall()
+        self._send(Call(call_id, method, args))
+        try:
+            await call.done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if call.error is not None:
+            raise call.error
+
+    # -- introspection --------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        if self._snapshot is None or self._state.is_final:
+            return frozenset()
+        return self._snapshot.sleeping_tags
+
+    @property
+    def weight_version(self) -> int:
+        return self._snapshot.weight_version if self._snapshot else 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        if self._ready is None:
+            raise IllegalStateError(
+                "read the model config before the engine started", str(self._state)
+            )
+        return self._ready.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._ready.max_model_len if self._ready else 0
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        """The engine process's figures, as of its latest snapshot."""
+        return dict(self._snapshot.memory) if self._snapshot else {}
+
+    def stats(self) -> EngineStats:
+        """The engine process's stats as of its latest snapshot (at most ~0.5 s old),
+        with ``last_step_time`` on this process's clock."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return EngineStats(str(self._state), 0, 0, 0, 0, 0.0, 0, 0, None, 0, 0, 0)
+        stats = snapshot.stats
+        last = stats.last_step_time
+        if last is not None:
+            last = self._snapshot_time - (snapshot.clock - last)
+        return dataclasses.replace(stats, state=str(self._state), last_step_time=last)
+
+    # -- the connection -------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        if not self._lost.is_set():
+            self._outbox.send_nowait(message)
+
+    async def _write_loop(self, channel: Channel) -> None:
+        """Sends what ``_send`` queued, batched; returns only when cancelled or broken."""
+        while True:
+            batch = [await self._outgoing.receive()]
+            while True:
+                try:
+                    batch.append(self._outgoing.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            try:
+                await channel.send(batch)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return  # the reader sees the end of the stream too
+
+    async def _read_loop(self, channel: Channel, scope: anyio.CancelScope) -> None:
+        """Dispatches the child's frames until its end of the socket closes."""
+        try:
+            while True:
+                frame: Frame = await channel.receive()
+                if frame.snapshot is not None:
+                    self._apply(frame.snapshot)
+                for message in frame.messages:
+                    self._dispatch(message)
+        except anyio.EndOfStream:
+            self._lost.set()
+            scope.cancel()
+
+    def _apply(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self._snapshot_time = anyio.current_time()
+        if self._ready is not None and self._state not in (S.STOPPING, S.STOPPED, S.DEAD):
+            self._state = snapshot.state
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, Output):
+            request = self._requests.get(message.key)
+            if request is None:
+                return  # let go of, or aborted here already
+            if not request.deliver(message.chunk):
+                self._let_go(request)
+            elif request.finished:
+                self._forget(request)
+        elif isinstance(message, Refused):
+            request = self._requests.get(message.key)
+            if request is not None:
+                error = message.error
+                reason: Literal["abort", "error"] = (
+                    "abort" if isinstance(error, REFUSED_AS_ABORT) else "error"
+                )
+                request.end(reason, str(error), self.weight_version)
+                self._forget(request)
+        elif isinstance(message, Reply):
+            call = self._calls.get(message.call_id)
+            if call is not None:
+                call.error = message.error
+                call.done.set()
+        elif isinstance(message, Ready):
+            self._ready = message
+            if self._snapshot is not None and self._state is S.STARTING:
+                self._state = self._snapshot.state
+            self._started.set()
+        elif isinstance(message, Final):
+            self._final = message
+
+    def _forget(self, request: RemoteRequest) -> None:
+        self._requests.pop(request.key, None)
+        if self._keys_by_id.get(request.request_id) == request.key:
+            del self._keys_by_id[request.request_id]
+
+
+def _backend() -> str:
+    return "trio" if sniffio.current_async_library() == "trio" else "asyncio"
+
+
+def _fault_plan(faults: FaultInjector | None) -> FaultPlan | None:
+    if faults is None:
+        return None
+    return FaultPlan(
+        raise_at=dict(faults.raise_at),
+        hang_at=set(faults.hang_at),
+        cache_not_ready_at={k: set(v) for k, v in faults.cache_not_ready_at.items()},
+        hang_limit=faults.hang_limit,
+    )

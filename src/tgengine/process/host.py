@@ -1,0 +1,219 @@
+"""``EngineHost``: inside the engine process, runs the real ``Engine.run()`` for the parent.
+
+It answers the parent's messages on a ``Channel`` and streams every request's chunks
+back, batched: each frame carries what is ready and a fresh ``Snapshot``. The parent is
+watched two ways (end of stream on the socket, and a changed parent pid); once it is
+gone the engine is cancelled, and a watchdog ends the process if that takes too long.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .._faults import FaultInjector
+from ..engine import Engine
+from ..errors import EngineDeadError, TGEngineError
+from ..stream import RequestStream
+from .errors import portable
+from .messages import (
+    CONTROL_METHODS,
+    Abort,
+    Call,
+    FaultPlan,
+    Final,
+    Frame,
+    Generate,
+    Output,
+    Ready,
+    Refused,
+    Reply,
+    Snapshot,
+    Stop,
+)
+from .wire import Channel
+
+PARENT_POLL = 0.5  # seconds between checks that the parent is alive
+ORPHAN_EXIT = 3.0  # seconds an orphaned engine process gets to stop before it exits hard
+HEARTBEAT = 0.5  # seconds between snapshots while nothing else is sent
+MAX_BATCH = 4096  # messages in one frame
+
+
+class EngineHost:
+    """Serves one ``Engine`` to the parent on ``channel``; ``run()`` returns when it ends.
+
+    ``run()`` returns the engine's fault (or None after a clean stop), after the parent
+    was sent every chunk and the ``Final`` message.
+    """
+
+    def __init__(self, engine: Engine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self._outbox, self._outgoing = anyio.create_memory_object_stream[Any](math.inf)
+        self._parent_pid = os.getppid()
+        self._cause: BaseException | None = None
+        self._parent_gone = False
+
+    async def run(self) -> BaseException | None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_loop)
+            try:
+                async with anyio.create_task_group() as forwarders:
+                    async with anyio.create_task_group() as control:
+                        control.start_soon(self._watch_parent, control.cancel_scope)
+                        await control.start(self._run_engine, control.cancel_scope)
+                        if self._cause is None:
+                            model = self.engine.model_config
+                            self._send(Ready(model, self.engine.max_model_len, os.getpid()))
+                            control.start_soon(self._read_loop, forwarders, control)
+            finally:
+                self._send(Final(portable(self._cause) if self._cause else None))
+                self._outbox.close()
+        return self._cause
+
+    async def _run_engine(
+        self, done: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        status = _StartedOnce(task_status)
+        try:
+            await self.engine.run(task_status=status)
+        except EngineDeadError as exc:
+            self._cause = exc.__cause__ or exc
+            if not status.called:
+                task_status.started()  # died starting: run() reports it, not start()
+        finally:
+            done.cancel()  # the engine has ended: stop reading and watching
+
+    async def _read_loop(
+        self, forwarders: anyio.abc.TaskGroup, control: anyio.abc.TaskGroup
+    ) -> None:
+        while True:
+            try:
+                batch: list[Any] = await self.channel.receive()
+            except anyio.EndOfStream:
+                self._orphaned()
+                control.cancel_scope.cancel()  # cancelling the engine is stop(grace=0)
+                return
+            for message in batch:
+                if isinstance(message, Generate):
+                    self._generate(message, forwarders)
+                elif isinstance(message, Abort):
+                    self.engine.abort(message.request_id)
+                elif isinstance(message, Call):
+                    control.start_soon(self._call, message)
+                elif isinstance(message, Stop):
+                    self.engine.stop(message.grace)
+
+    def _generate(self, message: Generate, forwarders: anyio.abc.TaskGroup) -> None:
+        try:
+            stream = self.engine.generate(
+                message.token_ids, message.params, request_id=message.request_id
+            )
+        except TGEngineError as exc:
+            self._send(Refused(message.key, portable(exc)))
+            return
+        forwarders.start_soon(self._forward, message.key, stream)
+
+    async def _forward(self, key: int, stream: RequestStream) -> None:
+        async with stream:
+            async for chunk in stream:
+                self._send(Output(key, chunk))
+
+    async def _call(self, message: Call) -> None:
+        error: BaseException | None = None
+        try:
+            if message.method not in CONTROL_METHODS:
+                raise ValueError(f"not a control method: {message.method!r}")
+            await getattr(self.engine, message.method)(*message.args)
+        except Exception as exc:  # the caller's error, raised in the parent
+            error = portable(exc)
+        self._send(Reply(message.call_id, error))
+
+    async def _watch_parent(self, scope: anyio.CancelScope) -> None:
+        # Polling: nothing announces a parent's death but the socket, which a leaked copy
+        # of its descriptor could keep open.
+        while os.getppid() == self._parent_pid:  # noqa: ASYNC110
+            await anyio.sleep(PARENT_POLL)
+        self._orphaned()
+        scope.cancel()
+
+    def _orphaned(self) -> None:
+        if self._parent_gone:
+            return
+        self._parent_gone = True
+        watchdog = threading.Timer(ORPHAN_EXIT, os._exit, args=(3,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _send(self, message: Any) -> None:
+        self._outbox.send_nowait(message)
+
+    async def _write_loop(self) -> None:
+        """Sends batched frames until the outbox closes; returns only then."""
+        async with self._outgoing:
+            while True:
+                messages: list[Any] = []
+                with anyio.move_on_after(HEARTBEAT):
+                    try:
+                        messages.append(await self._outgoing.receive())
+                    except anyio.EndOfStream:
+                        return
+                while len(messages) < MAX_BATCH:
+                    try:
+                        messages.append(self._outgoing.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._write(Frame(messages, self._snapshot()))
+
+    async def _write(self, frame: Frame) -> None:
+        if self._parent_gone:
+            return  # nobody is listening
+        try:
+            await self.channel.send(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            self._orphaned()
+
+    def _snapshot(self) -> Snapshot:
+        engine = self.engine
+        try:
+            engine._check_admission()  # the parent admits on the engine's terms
+            refusal = None
+        except TGEngineError as exc:
+            refusal = portable(exc)
+        return Snapshot(
+            state=engine.state,
+            sleeping_tags=engine.sleeping_tags,
+            weight_version=engine.weight_version,
+            stats=engine.stats(),
+            memory=engine.memory_stats(),
+            refusal=refusal,
+            clock=anyio.current_time(),
+        )
+
+
+class _StartedOnce:
+    """A task status that remembers whether ``started()`` was called."""
+
+    def __init__(self, status: anyio.abc.TaskStatus[None]) -> None:
+        self.status = status
+        self.called = False
+
+    def started(self, value: None = None) -> None:
+        self.called = True
+        self.status.started(value)
+
+
+def build_faults(plan: FaultPlan | None) -> FaultInjector | None:
+    if plan is None:
+        return None
+    return FaultInjector(
+        raise_at=dict(plan.raise_at),
+        hang_at=set(plan.hang_at),
+        cache_not_ready_at={k: set(v) for k, v in plan.cache_not_ready_at.items()},
+        hang_limit=plan.hang_limit,
+    )

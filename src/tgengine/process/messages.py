@@ -1,0 +1,113 @@
+"""The messages between ``ProcessEngine`` (parent) and ``EngineHost`` (engine process).
+
+Parent → engine: ``Setup`` (first, once), ``Generate``, ``Abort``, ``Call``, ``Stop``.
+Engine → parent: frames, each a list of ``Ready``, ``Output``, ``Refused``, ``Reply`` or
+``Final`` messages and the ``Snapshot`` taken as the frame was sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import EngineConfig
+from ..model_agent import MemoryStats
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from ..state import EngineState
+from ..stats import EngineStats
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The picklable part of a test's ``FaultInjector`` (steps to raise at or hang in)."""
+
+    raise_at: dict[int, BaseException] = field(default_factory=dict)
+    hang_at: set[int] = field(default_factory=set)
+    cache_not_ready_at: dict[int, set[str]] = field(default_factory=dict)
+    hang_limit: float = 60.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    config: EngineConfig
+    faults: FaultPlan | None = None
+
+
+@dataclass(frozen=True)
+class Generate:
+    key: int  # the parent's id of this admission; request ids may be reused
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    call_id: int
+    method: str  # one of CONTROL_METHODS
+    args: tuple[Any, ...]
+
+
+CONTROL_METHODS = frozenset({"pause", "resume", "sleep", "wakeup", "update_weights"})
+
+
+@dataclass(frozen=True)
+class Stop:
+    grace: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the parent answers synchronously from: state, stats, memory, admission."""
+
+    state: EngineState
+    sleeping_tags: frozenset[str]
+    weight_version: int
+    stats: EngineStats
+    memory: dict[str, MemoryStats]
+    refusal: BaseException | None  # what generate() would raise now, if anything
+    clock: float  # the engine process's anyio.current_time() when taken
+
+
+@dataclass(frozen=True)
+class Ready:
+    model_config: Any
+    max_model_len: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    key: int
+    chunk: RequestOutput
+
+
+@dataclass(frozen=True)
+class Refused:
+    key: int
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class Final:
+    """The last message: the engine returned (``cause`` None) or died of ``cause``."""
+
+    cause: BaseException | None
+
+
+@dataclass(frozen=True)
+class Frame:
+    messages: list[Any]
+    snapshot: Snapshot | None

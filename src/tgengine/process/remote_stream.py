@@ -1,0 +1,107 @@
+"""``RemoteStream``: one request's chunks as they arrive from the engine process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..outputs import FinishReason, RequestOutput
+
+
+@dataclass(eq=False)
+class RemoteRequest:
+    """The parent's record of one admitted request."""
+
+    key: int
+    request_id: str
+    num_prompt_tokens: int
+    send: MemoryObjectSendStream[RequestOutput]
+    finished: bool = False
+
+    def deliver(self, chunk: RequestOutput) -> bool:
+        """Pass ``chunk`` on; False once the consumer is gone. The last chunk ends it."""
+        if self.finished:
+            return True
+        if chunk.finished:
+            self.finished = True
+        try:
+            self.send.send_nowait(chunk)
+            return True
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        finally:
+            if self.finished:
+                self.send.close()
+
+    def end(self, reason: FinishReason, error: str | None, weight_version: int) -> None:
+        """End it here, with a final chunk of no tokens (the engine cannot send one)."""
+        self.deliver(
+            RequestOutput(
+                request_id=self.request_id,
+                finish_reason=reason,
+                error=error,
+                weight_version=weight_version,
+                num_prompt_tokens=self.num_prompt_tokens,
+            )
+        )
+
+
+class RemoteStream:
+    """An async iterator over one admitted request's chunks; ``RequestStream``'s semantics.
+
+    Letting go (breaking out of ``async for``, cancellation while waiting, ``aclose()``,
+    or dropping the stream) aborts the request at once: no chunk reaches it afterwards,
+    and the engine process frees its KV blocks as soon as the abort arrives.
+    """
+
+    def __init__(
+        self,
+        request: RemoteRequest,
+        receive: MemoryObjectReceiveStream[RequestOutput],
+        let_go: Callable[[RemoteRequest], None],
+    ) -> None:
+        self._request = request
+        self._receive = receive
+        self._let_go_request = let_go
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        except BaseException:
+            self._let_go()  # cancelled while waiting: nobody will read the rest
+            raise
+
+    async def aclose(self) -> None:
+        self._let_go()
+
+    async def __aenter__(self) -> RemoteStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._let_go()
+
+    def __del__(self) -> None:
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if not self._request.finished:
+            self._let_go_request(self._request)
+        self._receive.close()

@@ -1,0 +1,17 @@
+"""Helpers for tests that start engine processes: who is a child of this test process."""
+
+from __future__ import annotations
+
+import psutil
+
+
+def child_pids() -> set[int]:
+    """Every live process below this one (tests count them before and after)."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if _alive(p)}
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,157 @@
+"""The engine in its own process: the same results as in-process, the same fault semantics."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from tgengine import (
+    Engine,
+    EngineClient,
+    EngineDeadError,
+    EngineProcessExited,
+    EngineSleepingError,
+    EngineState,
+    InvalidRequestError,
+    ProcessEngine,
+)
+from tgengine._faults import FaultInjector
+from tgengine.models import iter_safetensors
+
+from engine_helpers import (
+    TIMEOUT,
+    Consumer,
+    collect,
+    generate_all,
+    greedy,
+    make_prompts,
+    stream_all,
+    tiny_config,
+    tokens_of,
+)
+from model_factory import VOCAB_SIZE, make_tiny_model_dir
+from process_helpers import child_pids
+
+pytestmark = pytest.mark.anyio
+PROMPTS = make_prompts(VOCAB_SIZE, 4)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, torch.Tensor]]:
+    other = make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
+    return list(iter_safetensors(other))
+
+
+async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Everything a user observes through the public API, for one engine."""
+    seen: dict[str, Any] = {}
+    batch = await generate_all(engine, PROMPTS, greedy(6))  # type: ignore[arg-type]
+    seen["batch"] = [tokens_of(chunks) for chunks in batch]
+    seen["text"] = "".join(c.text for c in await collect(engine, "Hello world", greedy(6)))  # type: ignore[arg-type]
+    long = engine.generate(PROMPTS[0], greedy(100_000), request_id="long")
+    first = await long.__anext__()
+    engine.abort("long")
+    rest = [first, *[c async for c in long]]
+    seen["abort"] = (rest[-1].request_id, rest[-1].finish_reason)
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        engine.generate([], greedy(1))
+    await engine.sleep(1)
+    seen["asleep"] = (engine.state, engine.sleeping_tags, engine.is_sleeping)
+    with pytest.raises(EngineSleepingError):
+        engine.generate(PROMPTS[1], greedy(2))
+    await engine.wakeup(["kv_cache"])
+    seen["half_awake"] = engine.sleeping_tags
+    await engine.wakeup()
+    seen["woken"] = tokens_of(await collect(engine, PROMPTS[1], greedy(6)))  # type: ignore[arg-type]
+    await engine.update_weights(named)
+    updated = await collect(engine, PROMPTS[1], greedy(6))  # type: ignore[arg-type]
+    seen["updated"] = (tokens_of(updated), updated[-1].weight_version, engine.weight_version)
+    with pytest.raises(InvalidRequestError, match="weights"):
+        await engine.update_weights([("model.nope.weight", named[0][1])])
+    await engine.pause("keep")
+    seen["paused"] = engine.state
+    await engine.resume()
+    stats = engine.stats()
+    seen["stats"] = (stats.generation_tokens_total, stats.finished_total, stats.weight_version)
+    seen["memory"] = {
+        d: (m.weights_bytes, m.kv_cache_bytes) for d, m in engine.memory_stats().items()
+    }
+    return seen
+
+
+async def test_same_results_as_in_process(
+    long_context_dir: Path, other_weights: list[tuple[str, torch.Tensor]]
+) -> None:
+    config = tiny_config(long_context_dir)
+    before = child_pids()
+    with anyio.fail_after(TIMEOUT):
+        engine = Engine(config)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            want = await scenario(engine, other_weights)
+            engine.stop()
+        client = ProcessEngine(config)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            assert client.pid in child_pids()
+            got = await scenario(client, other_weights)
+            tg.cancel_scope.cancel()  # cancelling is stop(grace=0): the child goes too
+    assert got == want
+    assert want["updated"][0] != want["woken"]
+    assert client.state is EngineState.STOPPED
+    assert child_pids() == before
+
+
+async def test_sigkill_ends_every_stream_and_run_raises(long_context_dir: Path) -> None:
+    before = child_pids()
+    client = ProcessEngine(tiny_config(long_context_dir))
+    consumers = [Consumer(client, p, greedy(100_000)) for p in PROMPTS]  # type: ignore[arg-type]
+    with anyio.fail_after(TIMEOUT):
+        with pytest.RaisesGroup(EngineDeadError) as info:
+            async with anyio.create_task_group() as tg:
+                await tg.start(client.run)
+                await stream_all(tg, consumers)
+                assert client.pid is not None
+                os.kill(client.pid, signal.SIGKILL)
+                with anyio.fail_after(2):
+                    for consumer in consumers:
+                        await consumer.done.wait()
+    cause = info.value.exceptions[0].__cause__
+    assert isinstance(cause, EngineProcessExited) and cause.returncode == -signal.SIGKILL
+    assert "SIGKILL" in str(info.value.exceptions[0])
+    assert [c.finish_reason for c in consumers] == ["error"] * len(consumers)
+    assert all(c.error is None for c in consumers), "admitted requests never raise"
+    assert client.state is EngineState.DEAD
+    with pytest.raises(EngineDeadError):
+        client.generate(PROMPTS[0], greedy(2))
+    assert child_pids() == before
+
+
+async def test_exception_in_the_child_arrives_as_the_cause(long_context_dir: Path) -> None:
+    faults = FaultInjector(
+        raise_at={6: RuntimeError("injected in the child")},
+        cache_not_ready_at={2: {"unlucky"}},
+    )
+    client = ProcessEngine(tiny_config(long_context_dir), _faults=faults)
+    before = child_pids()
+    with anyio.fail_after(TIMEOUT):
+        with pytest.RaisesGroup(EngineDeadError) as info:
+            async with anyio.create_task_group() as tg:
+                await tg.start(client.run)
+                unlucky = Consumer(client, PROMPTS[0], greedy(100_000), request_id="unlucky")  # type: ignore[arg-type]
+                lucky = Consumer(client, PROMPTS[1], greedy(100_000), request_id="lucky")  # type: ignore[arg-type]
+                tg.start_soon(unlucky.run)
+                tg.start_soon(lucky.run)
+                await anyio.sleep_forever()
+    cause = info.value.exceptions[0].__cause__
+    assert type(cause) is RuntimeError and str(cause) == "injected in the child"
+    assert unlucky.finish_reason == "error" and "KV cache" in (unlucky.chunks[-1].error or "")
+    assert lucky.finish_reason == "error" and len(lucky.token_ids) >= 3, "ran on after step 2"
+    assert "injected in the child" in (lucky.chunks[-1].error or "")
+    assert child_pids() == before
