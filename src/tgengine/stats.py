@@ -23,6 +23,7 @@ class EngineStats:
     finished_total: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of which found there
+    num_restarts_total: int = 0  # engines started again after a death (EngineSupervisor)
 
 
 @dataclass

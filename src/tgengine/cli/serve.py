@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import anyio
@@ -12,7 +13,9 @@ import anyio.abc
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..engine_client import EngineClient
 from ..errors import TGEngineError
+from ..process import EngineSupervisor, ProcessEngine, RestartPolicy
 from ..server import Server, ServerConfig
 from ..server.config import TOOL_CALL_PARSERS
 from ..server.context import served_name
@@ -95,6 +98,27 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the tool-call format of tool_choice=auto answers; auto: by the chat template "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine in its own process: HTTP, tokenizing and streaming no longer "
+        "share an interpreter with the step loop, and a crash there spares the server "
+        "(default: off)",
+    )
+    parser.add_argument(
+        "--restart-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --engine-process: start a dead engine again, with exponential backoff; "
+        "503 + Retry-After meanwhile (default: on)",
+    )
+    parser.add_argument(
+        "--max-start-failures",
+        type=int,
+        default=RestartPolicy().max_start_failures,
+        help="consecutive failed engine starts before giving up (exit 1) (default: %(default)s)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -113,14 +137,27 @@ def run(args: argparse.Namespace) -> int:
             protect_metrics=args.protect_metrics,
             metrics_prefix=args.metrics_prefix,
         )
-        anyio.run(partial(_serve, config, server_config, args.shutdown_grace), backend=args.backend)
+        make_engine = partial(_engine, config, args)
+        serve = partial(_serve, make_engine, server_config, args.shutdown_grace)
+        anyio.run(serve, backend=args.backend)
     except (TGEngineError, ValueError, OSError) as exc:
         return fail(exc)
     return 0
 
 
-async def _serve(config: EngineConfig, server_config: ServerConfig, grace: float) -> None:
-    engine = Engine(config)
+def _engine(config: EngineConfig, args: argparse.Namespace) -> EngineClient:
+    if not args.engine_process:
+        return Engine(config)
+    if not args.restart_on_failure:
+        return ProcessEngine(config)
+    return EngineSupervisor(config, RestartPolicy(max_start_failures=args.max_start_failures))
+
+
+async def _serve(
+    make_engine: Callable[[], EngineClient], server_config: ServerConfig, grace: float
+) -> None:
+    engine = make_engine()  # inside the event loop: it creates anyio primitives
+    config = engine.config
     server = Server(engine, server_config)
     try:
         async with anyio.create_task_group() as tg:

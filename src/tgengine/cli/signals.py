@@ -7,10 +7,10 @@ import sys
 
 import anyio
 
-from ..engine import Engine
+from ..engine_client import EngineClient
 
 
-async def stop_on_signals(engine: Engine, scope: anyio.CancelScope, grace: float) -> None:
+async def stop_on_signals(engine: EngineClient, scope: anyio.CancelScope, grace: float) -> None:
     """First SIGINT/SIGTERM: ``engine.stop(grace)``; a second one cancels ``scope`` at once.
 
     Returns only when cancelled or after the second signal.

@@ -3,12 +3,13 @@
 The parent passes one end of a socket pair as file descriptor ``N`` and sends ``Setup``
 on it first. Exit status: 0 after a clean stop, 1 when the engine died (the parent got
 the cause), 2 for a broken start (bad arguments, no ``Setup``), 3 from the orphan
-watchdog.
+watchdog. SIGINT and SIGTERM are ignored: the parent decides when the engine stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the socket to the parent")
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     args = parser.parse_args(argv)
+    # The parent alone stops this process (a Ctrl-C reaches the whole process group; the
+    # parent then drains through it); a dead parent is noticed without any signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     cause = anyio.run(serve_parent, sock, backend=args.backend)
     return 1 if cause is not None else 0

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..engine import Engine
+from ..engine_client import EngineClient
 from .admin_routes import ADMIN_PATHS, admin_router
 from .config import ServerConfig
 from .context import ServerContext
@@ -30,7 +30,7 @@ accept only that key.
 """
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (which must be started before requests arrive)."""
     config = config or ServerConfig()
     ctx = ServerContext.build(engine, config)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine import Engine
+from ..engine_client import EngineClient
 from .config import ServerConfig
 from .health import HealthMonitor
 from .metrics import ServerMetrics
@@ -14,7 +14,7 @@ from .metrics import ServerMetrics
 
 @dataclass
 class ServerContext:
-    engine: Engine
+    engine: EngineClient
     config: ServerConfig
     model_name: str
     metrics: ServerMetrics
@@ -26,7 +26,7 @@ class ServerContext:
         return self.config.retry_after_seconds
 
     @classmethod
-    def build(cls, engine: Engine, config: ServerConfig) -> ServerContext:
+    def build(cls, engine: EngineClient, config: ServerConfig) -> ServerContext:
         name = config.served_model_name or served_name(engine.config.model)
         return cls(
             engine=engine,

@@ -16,12 +16,11 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ..engine import Engine
+from ..engine_client import EngineClient, OutputStream
 from ..errors import InvalidRequestError, TGEngineError
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..state import EngineState
-from ..stream import RequestStream
 from .choices import Choice, usage
 from .errors import APIError, from_engine_error, unavailable
 from .formatting import Formatter
@@ -77,7 +76,7 @@ class Job:
 class Generation:
     """One response's generation: one or more engine requests, as the routes prepared them."""
 
-    engine: Engine
+    engine: EngineClient
     jobs: list[Job]
     formatter: Formatter
     metrics: ServerMetrics
@@ -137,12 +136,12 @@ class Generation:
     def _choices(self) -> list[Choice]:
         return [choice for job in self.jobs for choice in job.choices()]
 
-    async def _admit(self, send: Send) -> list[tuple[Job, RequestStream]] | None:
+    async def _admit(self, send: Send) -> list[tuple[Job, OutputStream]] | None:
         """Each job's stream, or None once an admission error has been answered.
 
         All or nothing: when one job is refused, the ones admitted before it are aborted.
         """
-        streams: list[tuple[Job, RequestStream]] = []
+        streams: list[tuple[Job, OutputStream]] = []
         try:
             for job in self.jobs:  # compiles constraints off the loop, before admitting any
                 await self.engine.prepare_structured_outputs(job.params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 
-from ..engine import Engine
+from ..engine_client import EngineClient
 from ..state import EngineState
 from .protocol import HealthResponse
 
@@ -20,7 +20,7 @@ SERVING = (EngineState.RUNNING, EngineState.PAUSED, EngineState.SLEEPING)
 class HealthMonitor:
     """Computes ``/health`` from the engine's state and its step progress."""
 
-    def __init__(self, engine: Engine, stall_seconds: float) -> None:
+    def __init__(self, engine: EngineClient, stall_seconds: float) -> None:
         self.engine = engine
         self.stall_seconds = stall_seconds
         self._busy_since: float | None = None

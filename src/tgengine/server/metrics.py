@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine import Engine
+from ..engine_client import EngineClient
 from ..request_stats import RequestStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -36,7 +36,7 @@ PHASE_BUCKETS = E2E_BUCKETS
 class EngineCollector(Collector):
     """Gauges and counters from one ``engine.stats()`` snapshot per scrape."""
 
-    def __init__(self, engine: Engine, model_name: str, prefix: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.prefix = prefix
@@ -85,6 +85,8 @@ class EngineCollector(Collector):
         )
         hits = stats.prefix_cache_hits_total
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        restarts = stats.num_restarts_total
+        yield counter("engine_restarts", "Engine processes started after a death.", restarts)
         success = CounterMetricFamily(
             f"{p}:request_success",
             "Finished requests by finish reason.",
@@ -118,7 +120,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The registry of one app: the engine collector and the histograms."""
 
-    def __init__(self, engine: Engine, model_name: str, prefix: str = "tgengine") -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str = "tgengine") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, model_name, prefix))
 

@@ -12,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.utils import wrap_app
 
-from ..engine import Engine
+from ..engine_client import EngineClient
 from .app import create_app
 from .config import ServerConfig
 
@@ -30,7 +30,7 @@ class Server:
             host, port = await tg.start(server.run)
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig | None = None) -> None:
         self.engine = engine
         self.config = config or ServerConfig()
         self.address: tuple[str, int] | None = None
