@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import pytest
 
 from server_helpers import assert_error_body, completion_body, parse_sse, stream_lines
 from tgengine.cli.main import build_parser
+
+from process_helpers import child_pids
 
 TIMEOUT = 90
 RUNNER = [sys.executable, "-m", "tgengine"]
@@ -29,12 +33,16 @@ def test_serve_help_lists_the_options() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
 async def test_sigterm_drains_then_aborts_then_exits_0(
-    long_context_dir: Path, anyio_backend: str
+    long_context_dir: Path, anyio_backend: str, engine_process: bool
 ) -> None:
     command = [*RUNNER, "serve", "--model", str(long_context_dir), "--port", "0",
                "--backend", anyio_backend, "--served-model-name", "tiny", "--dtype", "float32",
                "--shutdown-grace", "4"]  # fmt: skip
+    if engine_process:
+        command.append("--engine-process")
+    before = child_pids()
     with anyio.fail_after(TIMEOUT):
         async with await anyio.open_process(command) as process:
             assert process.stdout is not None and process.stderr is not None
@@ -79,3 +87,19 @@ async def test_sigterm_drains_then_aborts_then_exits_0(
         assert status == 200 and done
         reasons.append(events[-1]["choices"][0]["finish_reason"])
     assert reasons == ["length", "abort"]
+    assert child_pids() == before, "serve and its engine process have both exited"
+
+
+def test_a_crash_loop_gives_up_and_exits_1(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = child_pids()
+    command = [*RUNNER, "serve", "--model", str(broken), "--port", "0", "--dtype", "float32",
+               "--engine-process", "--max-start-failures", "1"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 1, result.stderr
+    assert "gave up after 2 failed starts" in result.stderr
+    assert "deserializing header" in result.stderr, "the cause is named"
+    assert result.stdout == "", "it never served"
+    assert child_pids() == before

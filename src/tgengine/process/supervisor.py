@@ -95,11 +95,12 @@ class EngineSupervisor:
                 return
             self._cause = cause
             failures = 1 if served else failures + 1
+            reason = f"{type(cause).__name__}: {cause}"
             if not served and failures > self.policy.max_start_failures:
-                message = f"gave up after {failures} failed starts; last: {cause}"
+                message = f"gave up after {failures} failed starts; last: {reason}"
                 raise EngineDeadError(message) from cause
             delay = self.policy.backoff(failures)
-            log.warning("engine died (%s); starting a new one in %.1f s", cause, delay)
+            log.warning("engine died (%s); starting a new one in %.1f s", reason, delay)
             with anyio.move_on_after(delay):
                 await self._stop_event.wait()
             self.num_restarts += 1
