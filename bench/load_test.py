@@ -11,6 +11,12 @@ the server process and of the client process per run). Every request is greedy w
 ``ignore_eos`` and the same ``max_tokens``, and each run uses its own prompts (no prefix
 cache reuse across runs). Prints requests/s, generated tokens/s, p50/p99 time to first
 token and end-to-end latency, and HTTP/library ratios.
+
+``--engine-process`` compares the two server layouts instead, in the same run: the server
+with the engine in its own process and with the engine in-process, each under streaming
+HTTP load from ``--levels`` concurrent clients (default 8, 32, 128): requests/s and
+time-to-first-token percentiles per layout and level, plus the CPU seconds of the server
+process and of the engine process.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Summary:
     e2e_p99: float
     server_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0
 
 
 def prompt(run: str, i: int) -> str:
@@ -299,6 +306,65 @@ async def bench(args: argparse.Namespace, model: str) -> list[Summary]:
     return results
 
 
+async def layouts(args: argparse.Namespace, model: str) -> list[Summary]:
+    """The server in both layouts, each under every concurrency level, in one run."""
+    import psutil
+
+    from tgengine import Engine, EngineConfig, ProcessEngine, SamplingParams
+    from tgengine.server import Server, ServerConfig
+
+    levels = [int(level) for level in args.levels.split(",")]
+    config = EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        max_num_seqs=max(levels),
+        enable_prefix_caching=False,
+        num_threads=args.num_threads,
+        **({"num_blocks": args.num_blocks} if args.num_blocks else {}),
+    )
+    results: list[Summary] = []
+    for layout in ("in-process", "engine-process"):
+        engine = Engine(config) if layout == "in-process" else ProcessEngine(config)
+        server = Server(engine, ServerConfig(port=0, served_model_name="bench"))
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await tg.start(server.run)
+            pid = getattr(engine, "pid", None)
+            engine_process = psutil.Process(pid) if pid else None
+            warm = SamplingParams(max_tokens=4, temperature=0.0)
+            for i in range(3):
+                async for _ in engine.generate(prompt("warmup", i), warm):
+                    pass
+            for level in levels:
+                run_args = argparse.Namespace(**{**vars(args), "concurrency": level})
+                before = sum(engine_process.cpu_times()[:2]) if engine_process else 0.0
+                summary = await http_in_subprocess(server.url, run_args, f"{layout}-{level}")
+                summary.label = f"{layout} c={level}"
+                if engine_process is not None:
+                    summary.engine_cpu_s = sum(engine_process.cpu_times()[:2]) - before
+                results.append(summary)
+            tg.cancel_scope.cancel()
+    return results
+
+
+def report_layouts(results: list[Summary], args: argparse.Namespace, model: str) -> None:
+    print(
+        f"model={model} requests={args.requests} max_tokens={args.max_tokens} "
+        f"backend={args.backend} num_threads={args.num_threads} client={args.client_kind}"
+    )
+    print(
+        "| layout, clients | ok | failed | req/s | tok/s | TTFT p50 ms | TTFT p99 ms "
+        "| server CPU s | engine process CPU s |"
+    )
+    print("|" + "---|" * 9)
+    for s in results:
+        print(
+            f"| {s.label} | {s.requests} | {s.failed} | {s.requests_per_s:.1f} "
+            f"| {s.tokens_per_s:.0f} | {s.ttft_p50 * 1e3:.0f} | {s.ttft_p99 * 1e3:.0f} "
+            f"| {s.server_cpu_s:.1f} | {s.engine_cpu_s:.1f} |"
+        )
+
+
 def report(results: list[Summary], args: argparse.Namespace, model: str) -> None:
     print(
         f"model={model} requests={args.requests} concurrency={args.concurrency} "
@@ -350,6 +416,16 @@ def main() -> None:
         choices=["raw", "httpx"],
         help="raw: a minimal HTTP/1.1 client; httpx: httpx.AsyncClient (default: %(default)s)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="compare the server with the engine in its own process and in-process",
+    )
+    parser.add_argument(
+        "--levels",
+        default="8,32,128",
+        help="with --engine-process: concurrent clients, comma-separated (default: %(default)s)",
+    )
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--run", default="H", help=argparse.SUPPRESS)
     parser.add_argument("--model-name", default="bench", help=argparse.SUPPRESS)
@@ -370,6 +446,10 @@ def main() -> None:
             from tgengine.cli.common import resolve_model
 
             model = resolve_model(args.model)
+        if args.engine_process:
+            results = anyio.run(layouts, args, model, backend=args.backend)
+            report_layouts(results, args, model)
+            return
         results = anyio.run(bench, args, model, backend=args.backend)
     report(results, args, model)
 

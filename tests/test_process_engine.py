@@ -20,6 +20,8 @@ from tgengine import (
     EngineState,
     InvalidRequestError,
     ProcessEngine,
+    SamplingParams,
+    StructuredOutputsParams,
 )
 from tgengine._faults import FaultInjector
 from tgengine.models import iter_safetensors
@@ -40,6 +42,8 @@ from process_helpers import child_pids
 
 pytestmark = pytest.mark.anyio
 PROMPTS = make_prompts(VOCAB_SIZE, 4)
+YES_NO = StructuredOutputsParams(choice=("yes", "no"))
+BAD_REGEX = StructuredOutputsParams(regex="(unclosed")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,10 @@ async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) 
     seen["abort"] = (rest[-1].request_id, rest[-1].finish_reason)
     with pytest.raises(InvalidRequestError, match="prompt"):
         engine.generate([], greedy(1))
+    choice = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=YES_NO)
+    seen["choice"] = "".join(c.text for c in await collect(engine, PROMPTS[2], choice))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        engine.generate(PROMPTS[0], SamplingParams(structured_outputs=BAD_REGEX))
     await engine.sleep(1)
     seen["asleep"] = (engine.state, engine.sleeping_tags, engine.is_sleeping)
     with pytest.raises(EngineSleepingError):
@@ -104,6 +112,7 @@ async def test_same_results_as_in_process(
             tg.cancel_scope.cancel()  # cancelling is stop(grace=0): the child goes too
     assert got == want
     assert want["updated"][0] != want["woken"]
+    assert want["choice"] in ("yes", "no")
     assert client.state is EngineState.STOPPED
     assert child_pids() == before
 

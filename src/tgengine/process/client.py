@@ -36,11 +36,11 @@ from ..errors import (
     InvalidRequestError,
 )
 from ..model_agent import MemoryStats
-from ..prompts import encode_prompt
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats
 from ..tokenizer import load_tokenizer
+from .admission import Admission
 from .errors import EngineProcessExited, describe_status
 from .messages import (
     Abort,
@@ -103,7 +103,7 @@ class ProcessEngine:
         self._run_called = False
         self._stopping = False
         self._cause: BaseException | None = None
-        self._tokenizer: Any = None
+        self._admission: Admission | None = None  # once the engine process serves
         self._ready: Ready | None = None
         self._final: Final | None = None
         self._snapshot: Snapshot | None = None
@@ -137,10 +137,14 @@ class ProcessEngine:
                     tg.start_soon(self._write_loop, channel)
                     tg.start_soon(self._read_loop, channel, tg.cancel_scope)
                     self._send(Setup(self.config, self._faults))
-                    self._tokenizer = await anyio.to_thread.run_sync(
+                    tokenizer = await anyio.to_thread.run_sync(
                         load_tokenizer, self.config.tokenizer or self.config.model
                     )
                     await self._started.wait()
+                    assert self._ready is not None
+                    self._admission = await anyio.to_thread.run_sync(
+                        Admission, tokenizer, self._ready.model_config, self._ready.max_model_len
+                    )
                     task_status.started()
                     await anyio.sleep_forever()
             finally:
@@ -184,6 +188,7 @@ class ProcessEngine:
             # now with what is known, as Engine does before its own cleanup.
             known = final.cause if final is not None else None
             reason = f"{type(known).__name__}: {known}" if known else "its process ended"
+            self._state = S.DEAD
             self._end_all("error", f"engine died: {reason}")
         with anyio.move_on_after(self.shutdown_timeout):
             await process.wait()
@@ -227,7 +232,10 @@ class ProcessEngine:
         self._requests.clear()
         self._keys_by_id.clear()
         for call in self._calls.values():
-            call.error = IllegalStateError("finish the call", str(self._state))
+            if self._state is S.DEAD:
+                call.error = EngineDeadError((error or "").removeprefix("engine died: "))
+            else:
+                call.error = IllegalStateError("finish the call", str(self._state))
             call.done.set()
 
     # -- requests -------------------------------------------------------------------
@@ -241,12 +249,9 @@ class ProcessEngine:
     ) -> RemoteStream:
         """Admit one request and return the stream of its chunks; as ``Engine.generate``."""
         self._check_admission()
-        assert self._ready is not None
+        assert self._admission is not None
         params = params or SamplingParams()
-        ready = self._ready
-        token_ids = encode_prompt(
-            self._tokenizer, prompt, ready.model_config.vocab_size, ready.max_model_len
-        )
+        token_ids = self._admission.token_ids(prompt, params)
         key = next(self._counter)
         if request_id is None:
             request_id = f"req-{key}"
@@ -261,7 +266,7 @@ class ProcessEngine:
 
     def _check_admission(self) -> None:
         state = self._state
-        if state is S.STARTING or self._ready is None:
+        if state is S.STARTING or self._admission is None:
             raise IllegalStateError("generate before the engine started", str(state))
         if state in (S.STOPPING, S.STOPPED):
             raise EngineStoppedError(str(state))
@@ -350,7 +355,7 @@ class ProcessEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self._tokenizer
+        return self._admission.tokenizer if self._admission else None
 
     @property
     def model_config(self) -> Any:
