@@ -25,6 +25,7 @@ from tgengine import (
 )
 from tgengine._faults import FaultInjector
 from tgengine.models import iter_safetensors
+from tgengine.request_stats import RequestStats
 
 from engine_helpers import (
     TIMEOUT,
@@ -55,6 +56,8 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, t
 async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """Everything a user observes through the public API, for one engine."""
     seen: dict[str, Any] = {}
+    recorder = Recorder()
+    engine.observers.append(recorder)
     batch = await generate_all(engine, PROMPTS, greedy(6))  # type: ignore[arg-type]
     seen["batch"] = [tokens_of(chunks) for chunks in batch]
     seen["text"] = "".join(c.text for c in await collect(engine, "Hello world", greedy(6)))  # type: ignore[arg-type]
@@ -65,6 +68,10 @@ async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) 
     seen["abort"] = (rest[-1].request_id, rest[-1].finish_reason)
     with pytest.raises(InvalidRequestError, match="prompt"):
         engine.generate([], greedy(1))
+    two = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    chunks = await collect(engine, PROMPTS[3], two)  # type: ignore[arg-type]
+    seen["n=2"] = {i: [t for c in chunks if c.index == i for t in c.token_ids] for i in (0, 1)}
+    seen["n=2 ends"] = sorted((c.index, c.finish_reason) for c in chunks if c.finished)
     choice = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=YES_NO)
     seen["choice"] = "".join(c.text for c in await collect(engine, PROMPTS[2], choice))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
@@ -86,11 +93,27 @@ async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) 
     seen["paused"] = engine.state
     await engine.resume()
     stats = engine.stats()
-    seen["stats"] = (stats.generation_tokens_total, stats.finished_total, stats.weight_version)
+    # generation_tokens_total differs by how far "long" got before its abort arrived
+    seen["stats"] = (stats.prompt_tokens_total, stats.finished_total, stats.weight_version)
     seen["memory"] = {
         d: (m.weights_bytes, m.kv_cache_bytes) for d, m in engine.memory_stats().items()
     }
+    seen["observed"] = (sorted(recorder.finished), recorder.steps > 0)
     return seen
+
+
+class Recorder:
+    """An ``EngineObserver`` that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[int, int, int]] = []
+        self.steps = 0
+
+    def request_finished(self, stats: RequestStats) -> None:
+        self.finished.append((stats.num_prompt_tokens, stats.n, stats.max_tokens))
+
+    def step_finished(self, num_batched_tokens: int) -> None:
+        self.steps += 1
 
 
 async def test_same_results_as_in_process(
@@ -113,6 +136,8 @@ async def test_same_results_as_in_process(
     assert got == want
     assert want["updated"][0] != want["woken"]
     assert want["choice"] in ("yes", "no")
+    assert want["n=2 ends"] == [(0, "length"), (1, "length")]
+    assert want["observed"][1] and len(want["observed"][0]) == 10
     assert client.state is EngineState.STOPPED
     assert child_pids() == before
 

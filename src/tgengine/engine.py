@@ -28,7 +28,7 @@ from .executor import UniExecutor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
-from .prompts import encode_prompt
+from .prompts import check_token_ids, encode_prompt
 from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker, new_requests
 from .sampling import SamplingParams
@@ -245,14 +245,7 @@ class Engine:
         return encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        checked = {"logit_bias": params.logit_bias or {}, "stop_token_ids": params.stop_token_ids}
-        for name, ids in checked.items():
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(
-                    name, f"token id {bad[0]} is out of vocabulary (vocabulary size {vocab})"
-                )
+        check_token_ids(params, self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> None:
         """End a request (all its ``n`` sequences) with ``finish_reason="abort"`` and free its

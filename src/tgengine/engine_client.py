@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from .model_agent import MemoryStats
+    from .request_stats import EngineObserver
 
 
 class OutputStream(Protocol):
@@ -46,6 +47,7 @@ class EngineClient(Protocol):
     """What ``Engine`` offers its users; DESIGN.md §2 gives the semantics."""
 
     config: EngineConfig
+    observers: list[EngineObserver]  # told of every finished request and every step
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -62,6 +64,8 @@ class EngineClient(Protocol):
     ) -> OutputStream: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def prepare_structured_outputs(self, params: SamplingParams) -> None: ...
 
     async def pause(self, mode: Literal["abort", "drain", "keep"] = "abort") -> None: ...
 

@@ -1,10 +1,11 @@
-"""``encode_prompt``: a prompt as the token ids the engine admits, or an ``InvalidRequestError``."""
+"""Admission checks of a prompt and of the token ids in its params (``InvalidRequestError``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .errors import InvalidRequestError
+from .sampling import SamplingParams
 
 
 def encode_prompt(
@@ -31,3 +32,15 @@ def encode_prompt(
             "prompt", f"{len(token_ids)} tokens; this model allows at most {limit}"
         )
     return token_ids
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """``InvalidRequestError`` if ``logit_bias`` or ``stop_token_ids`` name an id outside
+    the vocabulary."""
+    checked = {"logit_bias": params.logit_bias or {}, "stop_token_ids": params.stop_token_ids}
+    for name, ids in checked.items():
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                name, f"token id {bad[0]} is out of vocabulary (vocabulary size {vocab_size})"
+            )

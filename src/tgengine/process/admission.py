@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..prompts import encode_prompt
+from ..prompts import check_token_ids, encode_prompt
 from ..sampling import SamplingParams
 from ..structured_outputs.compiler import GrammarCompiler
 
@@ -33,8 +33,14 @@ class Admission:
         """The prompt's token ids; ``InvalidRequestError`` if the engine would refuse it."""
         vocab_size = self.model_config.vocab_size
         token_ids = encode_prompt(self.tokenizer, prompt, vocab_size, self.max_model_len)
+        check_token_ids(params, vocab_size)
         if params.structured_outputs is not None:
             if not isinstance(self.grammars, GrammarCompiler):
                 raise InvalidRequestError("structured_outputs", self.grammars)
             self.grammars.matcher(params.structured_outputs)
         return token_ids
+
+    def compile(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint into the cache (call it in a worker thread)."""
+        if params.structured_outputs is not None and isinstance(self.grammars, GrammarCompiler):
+            self.grammars.matcher(params.structured_outputs)

@@ -36,6 +36,7 @@ from ..errors import (
     InvalidRequestError,
 )
 from ..model_agent import MemoryStats
+from ..request_stats import EngineObserver
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats
@@ -53,8 +54,10 @@ from .messages import (
     Ready,
     Refused,
     Reply,
+    RequestFinished,
     Setup,
     Snapshot,
+    StepFinished,
     Stop,
 )
 from .remote_stream import RemoteRequest, RemoteStream
@@ -104,6 +107,7 @@ class ProcessEngine:
         self._stopping = False
         self._cause: BaseException | None = None
         self._admission: Admission | None = None  # once the engine process serves
+        self.observers: list[EngineObserver] = []  # told of the engine process's requests, steps
         self._ready: Ready | None = None
         self._final: Final | None = None
         self._snapshot: Snapshot | None = None
@@ -258,11 +262,17 @@ class ProcessEngine:
         elif request_id in self._keys_by_id:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        request = RemoteRequest(key, request_id, len(token_ids), send)
+        request = RemoteRequest(key, request_id, len(token_ids), send, n=params.n)
         self._requests[key] = request
         self._keys_by_id[request_id] = key
         self._send(Generate(key, request_id, token_ids, params))
         return RemoteStream(request, receive, self._let_go)
+
+    async def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        """As ``Engine.prepare_structured_outputs``: compile the constraint off the event
+        loop (here, where ``generate`` checks it; the engine process compiles its own)."""
+        if self._admission is not None and params.structured_outputs is not None:
+            await anyio.to_thread.run_sync(self._admission.compile, params)
 
     def _check_admission(self) -> None:
         state = self._state
@@ -442,6 +452,12 @@ class ProcessEngine:
                 )
                 request.end(reason, str(error), self.weight_version)
                 self._forget(request)
+        elif isinstance(message, StepFinished):
+            for observer in self.observers:
+                observer.step_finished(message.num_batched_tokens)
+        elif isinstance(message, RequestFinished):
+            for observer in self.observers:
+                observer.request_finished(message.stats)
         elif isinstance(message, Reply):
             call = self._calls.get(message.call_id)
             if call is not None:

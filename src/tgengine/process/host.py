@@ -19,6 +19,7 @@ import anyio.abc
 from .._faults import FaultInjector
 from ..engine import Engine
 from ..errors import EngineDeadError, TGEngineError
+from ..request_stats import RequestStats
 from ..stream import RequestStream
 from .errors import portable
 from .messages import (
@@ -33,7 +34,9 @@ from .messages import (
     Ready,
     Refused,
     Reply,
+    RequestFinished,
     Snapshot,
+    StepFinished,
     Stop,
 )
 from .wire import Channel
@@ -58,6 +61,13 @@ class EngineHost:
         self._parent_pid = os.getppid()
         self._cause: BaseException | None = None
         self._parent_gone = False
+        engine.observers.append(self)  # the parent's observers hear what this engine does
+
+    def request_finished(self, stats: RequestStats) -> None:
+        self._send(RequestFinished(stats))
+
+    def step_finished(self, num_batched_tokens: int) -> None:
+        self._send(StepFinished(num_batched_tokens))
 
     async def run(self) -> BaseException | None:
         async with anyio.create_task_group() as tg:

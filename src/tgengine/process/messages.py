@@ -1,8 +1,9 @@
 """The messages between ``ProcessEngine`` (parent) and ``EngineHost`` (engine process).
 
 Parent → engine: ``Setup`` (first, once), ``Generate``, ``Abort``, ``Call``, ``Stop``.
-Engine → parent: frames, each a list of ``Ready``, ``Output``, ``Refused``, ``Reply`` or
-``Final`` messages and the ``Snapshot`` taken as the frame was sent.
+Engine → parent: frames, each a list of ``Ready``, ``Output``, ``Refused``, ``Reply``,
+``RequestFinished``, ``StepFinished`` or ``Final`` messages and the ``Snapshot`` taken as
+the frame was sent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..model_agent import MemoryStats
 from ..outputs import RequestOutput
+from ..request_stats import RequestStats
 from ..sampling import SamplingParams
 from ..state import EngineState
 from ..stats import EngineStats
@@ -98,6 +100,19 @@ class Refused:
 class Reply:
     call_id: int
     error: BaseException | None
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """For the parent's ``EngineObserver``s: a request finished (times: ``time.monotonic``,
+    one clock for every process of the machine)."""
+
+    stats: RequestStats
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    num_batched_tokens: int
 
 
 @dataclass(frozen=True)

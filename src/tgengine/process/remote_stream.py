@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import anyio
@@ -20,14 +20,17 @@ class RemoteRequest:
     request_id: str
     num_prompt_tokens: int
     send: MemoryObjectSendStream[RequestOutput]
-    finished: bool = False
+    n: int = 1  # sequences; each ends with its own final chunk
+    ended: set[int] = field(default_factory=set)
+    finished: bool = False  # every sequence ended, or the consumer let go
 
     def deliver(self, chunk: RequestOutput) -> bool:
-        """Pass ``chunk`` on; False once the consumer is gone. The last chunk ends it."""
+        """Pass ``chunk`` on; False once the consumer is gone. The n-th final chunk ends it."""
         if self.finished:
             return True
         if chunk.finished:
-            self.finished = True
+            self.ended.add(chunk.index)
+            self.finished = len(self.ended) >= self.n
         try:
             self.send.send_nowait(chunk)
             return True
@@ -38,16 +41,19 @@ class RemoteRequest:
                 self.send.close()
 
     def end(self, reason: FinishReason, error: str | None, weight_version: int) -> None:
-        """End it here, with a final chunk of no tokens (the engine cannot send one)."""
-        self.deliver(
-            RequestOutput(
-                request_id=self.request_id,
-                finish_reason=reason,
-                error=error,
-                weight_version=weight_version,
-                num_prompt_tokens=self.num_prompt_tokens,
-            )
-        )
+        """End it here: a final chunk of no tokens for every sequence that has not ended
+        (the engine cannot send them)."""
+        for index in range(self.n):
+            if index not in self.ended:
+                chunk = RequestOutput(
+                    request_id=self.request_id,
+                    finish_reason=reason,
+                    error=error,
+                    weight_version=weight_version,
+                    num_prompt_tokens=self.num_prompt_tokens,
+                    index=index,
+                )
+                self.deliver(chunk)
 
 
 class RemoteStream:

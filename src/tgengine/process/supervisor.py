@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..engine_client import EngineClient, OutputStream
 from ..errors import EngineDeadError
 from ..model_agent import MemoryStats
+from ..request_stats import EngineObserver
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats
@@ -84,6 +85,7 @@ class EngineSupervisor:
         self._stop_grace = 0.0
         self._stop_event = anyio.Event()
         self._started = False
+        self.observers: list[EngineObserver] = []  # shared by every engine it starts
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -110,6 +112,7 @@ class EngineSupervisor:
     ) -> tuple[bool, BaseException | None]:
         """Run one engine to its end: (whether it served, why it died or None)."""
         engine = self._factory(self.config)
+        engine.observers = self.observers
         served = False
         try:
             async with anyio.create_task_group() as tg:
@@ -152,6 +155,9 @@ class EngineSupervisor:
         request_id: str | None = None,
     ) -> OutputStream:
         return self._serving("generate").generate(prompt, params, request_id=request_id)
+
+    async def prepare_structured_outputs(self, params: SamplingParams) -> None:
+        await self._serving("generate").prepare_structured_outputs(params)
 
     def abort(self, request_id: str) -> None:
         if self._engine is not None:

@@ -10,15 +10,15 @@ from typing import TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from ..engine_client import OutputStream
 from ..outputs import RequestOutput
-from ..stream import RequestStream
 
 K = TypeVar("K")
 
 
 @asynccontextmanager
 async def merged(
-    streams: Sequence[tuple[K, RequestStream]],
+    streams: Sequence[tuple[K, OutputStream]],
 ) -> AsyncIterator[AsyncIterator[tuple[K, RequestOutput]]]:
     """Iterate ``(key, chunk)`` over every stream, in arrival order.
 
@@ -44,13 +44,13 @@ async def merged(
             tg.cancel_scope.cancel()
 
 
-async def _keyed(key: K, stream: RequestStream) -> AsyncIterator[tuple[K, RequestOutput]]:
+async def _keyed(key: K, stream: OutputStream) -> AsyncIterator[tuple[K, RequestOutput]]:
     async for out in stream:
         yield key, out
 
 
 async def _pump(
-    key: K, stream: RequestStream, send: MemoryObjectSendStream[tuple[K, RequestOutput]]
+    key: K, stream: OutputStream, send: MemoryObjectSendStream[tuple[K, RequestOutput]]
 ) -> None:
     async with stream, send:
         async for out in stream:
