@@ -43,7 +43,7 @@ async def test_a_killed_engine_is_restarted_and_serves_again(long_context_dir: P
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                 first = (await http.post(COMPLETIONS, json=completion_body())).json()
                 streaming = anyio.Event()
-                body = completion_body(max_tokens=10**6, ignore_eos=True, stream=True)
+                body = completion_body(max_tokens=500, ignore_eos=True, stream=True)
 
                 async def consume() -> None:
                     streamed.append(await stream_lines(http, COMPLETIONS, body, streaming.set))
