@@ -63,7 +63,7 @@ async def test_sigterm_drains_then_aborts_then_exits_0(
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(consume, 0, 6)  # finishes within the grace
-                    tg.start_soon(consume, 1, 10**6)  # cannot: aborted when the grace ends
+                    tg.start_soon(consume, 1, 10**5)  # cannot: aborted when the grace ends
                     for event in started:
                         await event.wait()
                     process.send_signal(signal.SIGTERM)
@@ -100,6 +100,6 @@ def test_a_crash_loop_gives_up_and_exits_1(tiny_llama_dir: Path, tmp_path: Path)
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 1, result.stderr
     assert "gave up after 2 failed starts" in result.stderr
-    assert "deserializing header" in result.stderr, "the cause is named"
+    assert "cannot load model" in result.stderr, "the cause is named"
     assert result.stdout == "", "it never served"
     assert child_pids() == before

@@ -9,6 +9,7 @@ watchdog. SIGINT and SIGTERM are ignored: the parent decides when the engine sto
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -54,4 +55,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Skip the interpreter's teardown: torch's can take seconds on a busy machine (the
+    # parent waits for the exit status, an orphan must be gone in 5 s), and the engine
+    # has released everything already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
