@@ -60,15 +60,22 @@ class BenchSetup:
     def model_config(self) -> ModelConfig:
         return load_model_config(self.model_dir)
 
-    def measure_machine(self) -> MachineLimits:
+    def measure_machine(self, threads: int | None = None) -> MachineLimits:
+        """The machine's limits at this run's threads, or (on CPU) at ``threads``."""
         mc = self.model_config()
-        return measure_machine(
-            self.device,
-            self.torch_dtype,
-            hidden=mc.hidden_size,
-            intermediate=mc.intermediate_size,
-            quick=self.quick,
-        )
+        before = torch.get_num_threads()
+        if threads is not None and torch.device(self.device).type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            return measure_machine(
+                self.device,
+                self.torch_dtype,
+                hidden=mc.hidden_size,
+                intermediate=mc.intermediate_size,
+                quick=self.quick,
+            )
+        finally:
+            torch.set_num_threads(before)
 
     def as_dict(self) -> dict[str, Any]:
         return {

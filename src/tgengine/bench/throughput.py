@@ -21,7 +21,8 @@ from ..open_engine import open_engine
 from .common import BenchSetup, machine_info
 from .engine_run import engine_config, percentiles, profile_steps, run_all, stream_one, warm_up
 from .hf_baselines import generate_batch, generate_static, load_hf_model, single_stream
-from .roofline import ModelCosts, compute_floor, memory_floor
+from .peers import LimitsByThreads, PeerPlan, best_by_kind, run_peers, throughput_job
+from .roofline import MachineLimits, ModelCosts, compute_floor, memory_floor
 from .workload import BenchRequest, WorkloadSpec, fixed_workload, make_workload, summarize
 
 SYSTEMS = ("tgengine", "hf_generate", "hf_generate_batch")
@@ -77,8 +78,10 @@ def run_throughput(
     *,
     batch_sizes: tuple[int, ...] = (8, 16, 32),
     systems: tuple[str, ...] = SYSTEMS,
+    peers: PeerPlan | None = None,
 ) -> dict[str, Any]:
-    """The mixed workload through every system in ``systems``; JSON-ready results."""
+    """The mixed workload through every system in ``systems``, then through each of
+    ``peers`` at each of its thread counts; JSON-ready results."""
     mc = setup.model_config()
     requests = make_workload(spec, mc.vocab_size, mc.max_position_embeddings)
     info = summarize(requests)
@@ -115,14 +118,47 @@ def run_throughput(
         _free(model)
     for row in rows:
         row.update(compute_floor(costs, limits, requests, row["wall_s"]))
+    peer_info = {}
+    if peers is not None and peers.peers:
+        peer_info = _peer_rows(setup, peers, requests, rows, costs, limits)
     return {
         "bench": "throughput",
+        "peers": peer_info,
         "workload": {"spec": spec.describe(), **info},
         "rows": rows,
         "ratios": _ratios(rows),
         "details": details,
         "roofline": {"machine": limits.as_dict(), "model": costs.as_dict()},
     }
+
+
+def _peer_rows(
+    setup: BenchSetup,
+    plan: PeerPlan,
+    requests: list[BenchRequest],
+    rows: list[dict[str, Any]],
+    costs: ModelCosts,
+    limits: MachineLimits,
+) -> dict[str, Any]:
+    """Each peer at each thread count on ``requests``, appended to ``rows``; what each
+    peer run reported besides its figures (version, start-up time, or its error)."""
+    by_threads = LimitsByThreads(setup, limits)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    info = {}
+    for run in run_peers(
+        plan,
+        lambda t: throughput_job(setup.model_dir, setup.dtype, t, requests),
+        progress=setup.progress,
+    ):
+        info[run.label] = run.info()
+        if run.result is None:
+            continue
+        wall = run.result["wall_s"]
+        row = _row(run.label, wall, run.result["output_tokens"], len(requests), prompt_tokens)
+        row.update({"peer": run.peer.kind, "threads": run.threads})
+        row.update(compute_floor(costs, by_threads.at(run.threads), requests, wall))
+        rows.append(row)
+    return info
 
 
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -143,6 +179,11 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
             tg["tokens_per_s"] / best["tokens_per_s"]
         )
         ratios["best hf_generate batch size"] = float(best["system"].split("=")[1])
+    for kind, row in best_by_kind(rows, "tokens_per_s").items():
+        if row["tokens_per_s"] > 0:
+            ratios[f"tgengine / {kind} (best)"] = tg["tokens_per_s"] / row["tokens_per_s"]
+            if isinstance(row["threads"], int):
+                ratios[f"best {kind} threads"] = float(row["threads"])
     return ratios
 
 
