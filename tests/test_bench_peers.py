@@ -174,6 +174,8 @@ def test_throughput_with_peers(tiny_llama_dir: Path, tmp_path: Path, fakes: dict
         tmp_path / "out",
         "--systems",
         "tgengine",
+        "--tgengine-threads",
+        "1,2",
         "--peer",
         f"vllm={fakes['python']}",
         "--peer",
@@ -182,15 +184,24 @@ def test_throughput_with_peers(tiny_llama_dir: Path, tmp_path: Path, fakes: dict
         str(tmp_path / "logs"),
     )
     assert _descendants() == before
+    assert torch.get_num_threads() == 1  # the bench's --threads again
     rows = {r["system"]: r for r in result["rows"]}
-    assert list(rows) == ["tgengine", "vllm t=1", "vllm t=2", "llamacpp t=1", "llamacpp t=2"]
+    assert list(rows) == [
+        "tgengine t=1",
+        "tgengine t=2",
+        "vllm t=1",
+        "vllm t=2",
+        "llamacpp t=1",
+        "llamacpp t=2",
+    ]
     num_requests = result["workload"]["num_requests"]
     for row in rows.values():
         assert row["output_tokens"] == result["workload"]["output_tokens"], row["system"]
         assert row["tokens_per_s"] > 0 and row["fraction_of_compute_floor"] > 0
     ratios = result["ratios"]
     assert ratios["tgengine / vllm (best)"] > 0 and ratios["tgengine / llamacpp (best)"] > 0
-    assert ratios["best vllm threads"] in (1, 2)
+    assert ratios["best vllm threads"] in (1, 2) and ratios["best tgengine threads"] in (1, 2)
+    assert {"tgengine t=1", "tgengine t=2"} <= result["details"].keys()
     assert result["peers"]["vllm t=2"]["version"] == "0.0.fake"
     assert result["peers"]["llamacpp t=1"]["version"] == "b0-fake"
     assert (tmp_path / "out" / "throughput.txt").read_text().count("(best)") == 2

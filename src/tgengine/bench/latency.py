@@ -16,7 +16,7 @@ import anyio
 
 from ..engine import Engine
 from ..open_engine import open_engine
-from .common import BenchSetup
+from .common import BenchSetup, best_tgengine, tgengine_runs
 from .engine_run import engine_config, percentiles, run_all, stream_one, warm_up
 from .hf_baselines import load_hf_model, single_stream
 from .peers import LimitsByThreads, PeerPlan, best_by_kind, latency_job, run_peers
@@ -114,9 +114,12 @@ def run_latency(
     seed: int = 0,
     systems: tuple[str, ...] = SYSTEMS,
     peers: PeerPlan | None = None,
+    tgengine_threads: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Single streams on every system in ``systems``, then on each of ``peers`` at each
-    of its thread counts; ``concurrency`` streams at once on tgengine."""
+    """Single streams on every system in ``systems`` (tgengine once per count in
+    ``tgengine_threads``, if given), then on each of ``peers`` at each of its thread counts;
+    ``concurrency`` streams at once on (the first run of) tgengine. At each prompt length,
+    tgengine's best run is the one compared."""
     mc = setup.model_config()
     limit = mc.max_position_embeddings - max_tokens - 1
     # A new prompt for every repeat: a repeated one would hit tgengine's prefix cache.
@@ -136,10 +139,14 @@ def run_latency(
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"bench": "latency"}
     if "tgengine" in systems:
-        tg = anyio.run(partial(_tgengine, setup, singles, concurrent))
-        for n, r in tg["single"].items():
-            rows.append({"system": "tgengine", "prompt_len": len(singles[n][0].prompt), **r})
-        result["concurrent"] = tg["concurrent"]
+        for label, run_setup in tgengine_runs(setup, tgengine_threads):
+            tg = anyio.run(partial(_tgengine, run_setup, singles, concurrent))
+            threads = {} if label == "tgengine" else {"threads": run_setup.threads}
+            for n, r in tg["single"].items():
+                rows.append(
+                    {"system": label, "prompt_len": len(singles[n][0].prompt), **r, **threads}
+                )
+            result.setdefault("concurrent", {"system": label, **tg["concurrent"]})
     if "hf_generate" in systems:
         model = load_hf_model(setup.model_dir, setup.torch_dtype, setup.device)
         _hf_warm_up(model)
@@ -158,12 +165,13 @@ def run_latency(
         result["peers"] = _peer_rows(setup, peers, singles, rows)
     for row in rows:
         context = row["prompt_len"] + max_tokens // 2
-        row_limits = by_threads.at(row["threads"]) if "peer" in row else limits
+        row_limits = by_threads.at(row["threads"]) if "threads" in row else limits
         row.update(memory_floor(costs, row_limits, context, row["decode_tokens_per_s"]))
         row.pop("num_tokens", None)
     ratios = {}
     for length in sorted({r["prompt_len"] for r in rows}):
-        mine = [r for r in rows if r["system"] == "tgengine" and r["prompt_len"] == length]
+        best = best_tgengine([r for r in rows if r["prompt_len"] == length], "decode_tokens_per_s")
+        mine = [best] if best else []
         theirs = [
             r for r in rows if r["system"] == "hf_generate bs=1" and r["prompt_len"] == length
         ]
@@ -176,14 +184,14 @@ def run_latency(
                     theirs[0]["ttft_s"] / mine[0]["ttft_s"]
                 )
         at_length = [r for r in rows if r["prompt_len"] == length]
-        for kind, best in best_by_kind(at_length, "decode_tokens_per_s").items():
-            if mine and best["decode_tokens_per_s"] > 0:
+        for kind, theirs_best in best_by_kind(at_length, "decode_tokens_per_s").items():
+            if mine and theirs_best["decode_tokens_per_s"] > 0:
                 ratios[f"decode tgengine / {kind} (best) @ prompt {length}"] = (
-                    mine[0]["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+                    mine[0]["decode_tokens_per_s"] / theirs_best["decode_tokens_per_s"]
                 )
                 if mine[0]["ttft_s"] > 0:
                     ratios[f"TTFT {kind} (best) / tgengine @ prompt {length}"] = (
-                        best["ttft_s"] / mine[0]["ttft_s"]
+                        theirs_best["ttft_s"] / mine[0]["ttft_s"]
                     )
     result.update(
         {

@@ -113,10 +113,11 @@ def _throughput(result: dict[str, Any]) -> str:
             ("fraction_of_compute_floor", "of compute floor"),
         ],
     )
-    tg = result.get("details", {}).get("tgengine")
-    if tg:
+    for name, tg in result.get("details", {}).items():
+        if not name.startswith("tgengine"):
+            continue
         out += (
-            f"\ntgengine: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
+            f"\n{name}: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
             f"forward {100 * tg['forward_fraction_of_wall']:.0f}% of wall, "
             f"TTFT p50 {tg['ttft_s']['p50']:.2f} s, "
             f"inter-token p50 {1e3 * tg['inter_token_s']['p50']:.0f} ms"
@@ -169,7 +170,8 @@ def _latency(result: dict[str, Any]) -> str:
     if c:
         t, i = c["ttft_s"], c["inter_token_s"]
         out += (
-            f"\n{c['num_streams']} concurrent streams: {c['tokens_per_s']:.1f} tok/s; "
+            f"\n{c['num_streams']} concurrent streams ({c.get('system', 'tgengine')}): "
+            f"{c['tokens_per_s']:.1f} tok/s; "
             "TTFT p50/p90/p99 "
             f"{t['p50']:.3f}/{t['p90']:.3f}/{t['p99']:.3f} s; inter-token p50/p90/p99 "
             f"{1e3 * i['p50']:.1f}/{1e3 * i['p90']:.1f}/{1e3 * i['p99']:.1f} ms"

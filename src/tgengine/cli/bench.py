@@ -3,7 +3,8 @@
 Each subcommand runs one bench (``tgengine.bench``) in this process, prints its table, and
 with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
 ``--quick`` shrinks every size so that a run on a tiny model takes seconds (tests, smoke
-runs); its numbers mean nothing.
+runs); its numbers mean nothing. ``throughput`` and ``latency`` take ``--peer`` (vLLM CPU,
+llama.cpp; ``tgengine.bench.peers``), each run in its own environment after tgengine.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def _peer_threads(text: str) -> Any:
 
 
 def _peer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tgengine-threads",
+        type=_ints,
+        default=(),
+        metavar="N,N",
+        help="run tgengine once per thread count (rows 'tgengine t=N'); its best run is "
+        "compared (default: once, at --threads)",
+    )
     group = parser.add_argument_group(
         "peers", "other engines, each in its own environment, run after tgengine on the same work"
     )
@@ -255,7 +264,12 @@ def _throughput(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
     spec = spec.scaled(_pick(args.scale, 1.0, 0.05, args))
     batch_sizes = _pick(args.batch_sizes, (8, 16, 32), (2, 4), args)
     return run_throughput(
-        setup, spec, batch_sizes=batch_sizes, systems=args.systems, peers=_peer_plan(args)
+        setup,
+        spec,
+        batch_sizes=batch_sizes,
+        systems=args.systems,
+        peers=_peer_plan(args),
+        tgengine_threads=args.tgengine_threads,
     )
 
 
@@ -272,6 +286,7 @@ def _latency(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         systems=args.systems,
         peers=_peer_plan(args),
+        tgengine_threads=args.tgengine_threads,
     )
 
 
