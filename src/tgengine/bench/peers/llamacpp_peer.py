@@ -23,14 +23,16 @@ from anyio.abc import Process
 from .spec import DEFAULT_THREADS, PeerRunError, PeerSpec, log_tail
 
 _STOP_GRACE_S = 10.0
+_WARM_UP_LEN = 64  # a slot's context must hold the warm-up requests (24 + 4 tokens)
 _POLL_S = 0.05
 
 
 def server_command(peer: PeerSpec, job: dict[str, Any], port: int) -> list[str]:
     """The ``llama-server`` command line for ``job``."""
     slots = len(job["requests"]) if job["mode"] == "throughput" else 1
+    per_slot = max(job["max_model_len"], _WARM_UP_LEN)
     command = [peer.executable, "-m", str(peer.gguf), "--host", "127.0.0.1", "--port", str(port)]
-    command += ["-np", str(slots), "-c", str(slots * job["max_model_len"]), "--cont-batching"]
+    command += ["-np", str(slots), "-c", str(slots * per_slot), "--cont-batching"]
     if job["threads"] != DEFAULT_THREADS:
         command += ["-t", str(job["threads"]), "-tb", str(job["threads"])]
     return command
