@@ -25,11 +25,26 @@ from tgengine.models.moe import SparseMoE
 from engine_helpers import TIMEOUT, generate_all, greedy, make_prompts, tiny_config, tokens_of
 from model_factory import make_tiny_model_dir, read_config, write_config
 
+LONGROPE_FROM = 64
 # name: (factory arch, config overrides)
 ARCHS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3": ("qwen3", {}),
     "mistral-window": ("mistral", {"sliding_window": 6}),
     "phi3": ("phi3", {}),
+    # Longrope with half the head rotating; the sequences stay within the short factors'
+    # range (test_longrope_long_factors checks the long ones).
+    "phi3-longrope": (
+        "phi3",
+        {
+            "original_max_position_embeddings": LONGROPE_FROM,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0, 1.3, 1.7, 2.5],
+                "long_factor": [3.0, 5.0, 9.0, 17.0],
+            },
+        },
+    ),
     "gemma3": ("gemma3", {}),
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", {}),
@@ -145,3 +160,24 @@ def test_gemma3_config_features(tmp_path: Path) -> None:
     assert config.attention_scale == 24**-0.5
     assert config.final_logit_softcapping == 30.0
     assert config.embed_scale == 64**0.5
+
+
+def test_longrope_long_factors_match_transformers(tmp_path: Path) -> None:
+    """Positions past ``original_max_position_embeddings`` rotate as transformers' long RoPE."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from tgengine.models.rope import RotaryEmbedding
+
+    arch, overrides = ARCHS["phi3-longrope"]
+    model_dir = make_tiny_model_dir(tmp_path, arch=arch, **overrides)
+    config = load_model_config(model_dir)
+    positions = torch.arange(LONGROPE_FROM, LONGROPE_FROM + 20)
+    ours = RotaryEmbedding(config.rope, config.head_dim).cos_sin(positions, torch.float32)
+    theirs = Phi3RotaryEmbedding(AutoConfig.from_pretrained(model_dir))
+    x = torch.zeros(1, 20, 8)
+    cos, sin = theirs(x, positions[None])  # max position past the switch: the long factors
+    torch.testing.assert_close(ours[0], cos[0])
+    torch.testing.assert_close(ours[1], sin[0])
+    short = RotaryEmbedding(config.rope, config.head_dim).cos_sin(positions - 20, torch.float32)
+    assert short[0].shape == (20, config.head_dim // 2)  # partial: half of each head rotates
