@@ -14,6 +14,7 @@ import torch
 
 from ._faults import FaultInjector
 from ._groups import root_cause
+from .admission import check_token_ids, encode_prompt
 from .config import EngineConfig
 from .engine_loop import EngineLoop
 from .errors import (
@@ -171,8 +172,9 @@ class Engine:
         self._check_admission()
         tracker = self._loop.tracker
         assert tracker is not None
-        token_ids = self._encode(prompt)
-        self._check_token_ids(params)
+        vocab_size = self.model_config.vocab_size
+        token_ids = encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
+        check_token_ids(params, vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif tracker.is_in_use(request_id):
@@ -238,35 +240,6 @@ class Engine:
             raise EngineSleepingError(self._sleeping_tags)
         if state is S.PAUSED and self._pause_mode == "abort":
             raise EnginePausedError()
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = list(self._tokenizer.encode(prompt)) if prompt else []
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError("prompt", "must be a str or a list of int token ids")
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        limit = self.max_model_len - 1
-        if len(token_ids) > limit:
-            raise InvalidRequestError(
-                "prompt", f"{len(token_ids)} tokens; this model allows at most {limit}"
-            )
-        return token_ids
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        checked = {"logit_bias": params.logit_bias or {}, "stop_token_ids": params.stop_token_ids}
-        for name, ids in checked.items():
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(
-                    name, f"token id {bad[0]} is out of vocabulary (vocabulary size {vocab})"
-                )
 
     def abort(self, request_id: str) -> None:
         """End a request (all its ``n`` sequences) with ``finish_reason="abort"`` and free its
