@@ -10,7 +10,6 @@ measured bandwidth).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from functools import partial
 
 import torch
 
+from ..cpu_threads import fastest_thread_count
 from ..models import ModelConfig
 from .workload import BenchRequest
 
@@ -123,36 +123,11 @@ def measure_machine(
 def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, dict[str, float]]:
     """The CPU thread count to run with: ``requested``, or the fastest here (``auto``).
 
-    ``auto`` times 1..cores (at most 8) threads on what a decode step does: a small-batch
-    GEMM pair with a float32 norm and an activation in between, in three interleaved rounds
-    of half a second, and keeps each count's worst round. A big GEMM alone, or one short
-    round, would mislead: on shared or quota-limited machines (VMs with more vCPUs than CPU
-    time) every parallel region can stall for milliseconds, now and then, and small
-    operations, not GEMMs, then decide the speed.
+    ``auto`` is ``cpu_threads.fastest_thread_count`` with half-second rounds.
     """
     if requested not in (None, "auto"):
         return int(requested), {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    candidates = sorted({1, *range(2, min(cores or 1, 8) + 1)})
-    x = torch.randn(64, 576).to(dtype)
-    w_in = torch.randn(1536, 576).to(dtype)
-    w_out = torch.randn(576, 1536).to(dtype)
-
-    def layer() -> torch.Tensor:
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-        return torch.nn.functional.silu(h @ w_in.T) @ w_out.T
-
-    rates: dict[str, float] = {}
-    work = 2.0 * 2 * 64 * 576 * 1536
-    for _ in range(3):
-        for n in candidates:
-            torch.set_num_threads(n)
-            with torch.inference_mode():
-                rate = _rate(layer, work, torch.device("cpu"), 0.5)
-            rates[str(n)] = min(rate, rates.get(str(n), rate))
-    best = max(candidates, key=lambda n: rates[str(n)])
-    return best, rates
+    return fastest_thread_count(dtype, 0.5)
 
 
 @dataclass(frozen=True)
