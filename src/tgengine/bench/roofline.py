@@ -135,7 +135,7 @@ class ModelCosts:
     """What one token costs the model, counted from its config."""
 
     num_params: int
-    layer_matmul_params: int  # weights every token multiplies by (all decoder layers)
+    layer_matmul_params: int  # weights every token multiplies by (all decoder layers; MoE: top_k)
     head_params: int  # the LM head, paid by tokens whose logits are computed
     weight_bytes: int  # bytes of all weights a decode step reads (layers, norms, head)
     kv_bytes_per_token: int  # K and V of one context token, all layers
@@ -146,15 +146,25 @@ class ModelCosts:
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
         bias = (q + 2 * kv) if config.attention_bias else 0
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-        layers = config.num_layers * per_layer
+        attention = h * (q + 2 * kv) + q * h
+        dense = 3 * h * config.intermediate_size
+        moe = config.moe
+        sparse = sum(moe.sparse_layers) if moe is not None else 0
+        # Every layer's weights are stored; a token multiplies by its top_k experts only.
+        layers = config.num_layers * attention + (config.num_layers - sparse) * dense
+        active = layers
+        if moe is not None:
+            expert = 3 * h * moe.intermediate_size
+            router = h * moe.num_experts
+            layers += sparse * (router + moe.num_experts * expert)
+            active += sparse * (router + moe.top_k * expert)
         norms = config.num_layers * 2 * h + h
         head = config.vocab_size * h
         embed = 0 if config.tie_word_embeddings else config.vocab_size * h
         element = torch.empty((), dtype=dtype).element_size()
         return ModelCosts(
             num_params=layers + config.num_layers * bias + norms + head + embed,
-            layer_matmul_params=layers,
+            layer_matmul_params=active,
             head_params=head,
             weight_bytes=(layers + config.num_layers * bias + norms + head) * element,
             kv_bytes_per_token=config.num_layers * 2 * kv * element,
