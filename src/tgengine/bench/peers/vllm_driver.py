@@ -54,8 +54,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     import vllm
 
     start = time.perf_counter()
-    # No max_model_len: it is part of the key of vLLM's compile cache, and the model's own
-    # keeps one cache entry for every workload.
+    # No max_model_len: it is part of the key of vLLM's compile cache (as is the thread
+    # binding), and the model's own keeps one cache entry per binding for every workload.
     llm = vllm.LLM(model=job["model"], dtype=job["dtype"], enable_prefix_caching=False, seed=0)
     startup_s = time.perf_counter() - start
     warm = [{"prompt": list(range(16, 16 + n)), "max_tokens": 4} for n in (8, 24, 32)]
