@@ -181,3 +181,22 @@ def test_longrope_long_factors_match_transformers(tmp_path: Path) -> None:
     torch.testing.assert_close(ours[1], sin[0])
     short = RotaryEmbedding(config.rope, config.head_dim).cos_sin(positions - 20, torch.float32)
     assert short[0].shape == (20, config.head_dim // 2)  # partial: half of each head rotates
+
+
+def test_fused_and_expert_weights_update_through_their_packed_form(tmp_path: Path) -> None:
+    from tgengine.models.weights import copy_weights, pack_weights
+
+    for arch, name in [
+        ("phi3", "model.layers.1.self_attn.qkv_proj.weight"),
+        ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w3.weight"),
+    ]:
+        model_dir = make_tiny_model_dir(tmp_path / arch, arch=arch)
+        model = load_model(load_model_config(model_dir), model_dir, torch.float32, "cpu")
+        model.gemm.prepack = True
+        pack_weights(model)
+        shape = weight_specs(model)[name][0]
+        new = torch.randn(shape)
+        copy_weights(model, [(name, new)])
+        for weights in model.linear_weights():
+            model.gemm.unpack(weights)
+        torch.testing.assert_close(dict(model.named_parameters())[name], new, rtol=0, atol=0)

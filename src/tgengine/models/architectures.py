@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from tgengine.errors import ModelLoadError
-from tgengine.models.config import ModelConfig, MoEConfig, rope_config
+from tgengine.models.config import ModelConfig, MoEConfig
+from tgengine.models.rope_params import rope_config
 
 # architecture -> the model_type its config.json carries
 ARCHITECTURES: dict[str, str] = {

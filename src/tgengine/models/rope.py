@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from tgengine.models.config import RopeConfig
+from tgengine.models.rope_params import RopeConfig
 
 
 def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
