@@ -84,6 +84,7 @@ def make_tokenizer(path: Path) -> Any:
 
 
 def _config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict[str, Any]) -> Any:
+    import transformers
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
@@ -107,7 +108,49 @@ def _config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict[str,
     if arch == "mistral":
         defaults = {"tie_word_embeddings": False, "sliding_window": None}
         return MistralConfig(**{**common, **defaults, **overrides})
-    raise ValueError(f"arch: unknown {arch!r} (known: llama, mistral, qwen2)")
+    if arch in _NEW_ARCHS:
+        class_name, defaults = _NEW_ARCHS[arch]
+        config_class = getattr(transformers, class_name)
+        return config_class(**{**common, **defaults, **overrides})
+    raise ValueError(
+        f"arch: unknown {arch!r} (known: llama, mistral, qwen2, {', '.join(_NEW_ARCHS)})"
+    )
+
+
+# Later architectures: head_dim 32 (explicit, unlike hidden/heads = 16, and one the compiled
+# decode kernel takes), untied heads unless the family ties them.
+_NEW_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_hidden_layers": 3,
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "tie_word_embeddings": False,
+        },
+    ),
+}
 
 
 def make_tiny_model_dir(
@@ -134,6 +177,8 @@ def make_tiny_model_dir(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch in _NEW_ARCHS:
+        _perturb_small_tensors(model, seed)
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
@@ -142,6 +187,21 @@ def make_tiny_model_dir(
         str(path)
     )
     return path
+
+
+def _perturb_small_tensors(model: Any, seed: int) -> None:
+    """Give norms and routers random values, so a parity test exercises them.
+
+    transformers initialises norm weights to ones (or zeros for Gemma's ``1 + w``) and some
+    routers to zeros, under which a wrong norm variant or routing would go unnoticed.
+    """
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
 
 
 def read_config(path: Path) -> dict[str, Any]:

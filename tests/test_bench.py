@@ -158,3 +158,30 @@ def test_structured(
     assert constrained["grammar_fill_ms"] > 0 and constrained["grammar_mask_ms"] > 0
     assert result["constrained_finish_reasons"] == ["length"]  # the schema cannot end early
     assert {"tokenizer_preparation", "person_first", "order_cached"} <= result["compile_ms"].keys()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from model_factory import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-moe"), arch="qwen3_moe")
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_moe_model(
+    command: str, tiny_moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench(command, tiny_moe_dir, tmp_path, capsys=capsys)
+    assert_roofline(result)
+    assert all(row["system"] for row in result["rows"])
+
+
+def test_moe_costs_count_the_chosen_experts(tiny_moe_dir: Path) -> None:
+    from tgengine.bench.roofline import ModelCosts
+    from tgengine.models import load_model_config
+
+    config = load_model_config(tiny_moe_dir)
+    costs = ModelCosts.of(config, torch.float32)
+    assert config.moe is not None and config.moe.top_k < config.moe.num_experts
+    stored = costs.num_params - costs.head_params
+    assert costs.layer_matmul_params < stored  # 2 of 4 experts per token, not all

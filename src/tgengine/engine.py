@@ -14,6 +14,7 @@ import torch
 
 from ._faults import FaultInjector
 from ._groups import root_cause
+from .admission import check_token_ids, encode_prompt
 from .config import EngineConfig
 from .engine_loop import EngineLoop
 from .errors import (
@@ -28,7 +29,6 @@ from .executor import UniExecutor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
-from .prompts import check_token_ids, encode_prompt
 from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker, new_requests
 from .sampling import SamplingParams
@@ -172,8 +172,9 @@ class Engine:
         self._check_admission()
         tracker = self._loop.tracker
         assert tracker is not None
-        token_ids = self._encode(prompt)
-        self._check_token_ids(params)
+        vocab_size = self.model_config.vocab_size
+        token_ids = encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
+        check_token_ids(params, vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif tracker.is_in_use(request_id):
@@ -239,13 +240,6 @@ class Engine:
             raise EngineSleepingError(self._sleeping_tags)
         if state is S.PAUSED and self._pause_mode == "abort":
             raise EnginePausedError()
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        vocab_size = self.model_config.vocab_size
-        return encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        check_token_ids(params, self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> None:
         """End a request (all its ``n`` sequences) with ``finish_reason="abort"`` and free its

@@ -7,7 +7,6 @@ import ctypes.util
 import functools
 import gc
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -19,6 +18,7 @@ import torch
 
 from ._faults import FaultInjector
 from .config import EngineConfig
+from .cpu_threads import default_thread_count
 from .errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
 from .logits_processors import default_processors
 from .model_inputs import prepare_inputs
@@ -171,7 +171,7 @@ class ModelAgent:
         dtype = resolve_dtype(cfg.dtype, model_config)
         device = _pick_device(cfg.device)
         if cfg.num_threads or device.type == "cpu":
-            torch.set_num_threads(cfg.num_threads or _default_cpu_threads())
+            torch.set_num_threads(cfg.num_threads or default_thread_count(dtype))
         if device.type == "cpu":
             kernels.load()  # built once per machine; at start-up, not in the first step
         self._model = load_model(model_config, cfg.model, dtype, device)
@@ -373,12 +373,6 @@ def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _default_cpu_threads() -> int:
-    # Leave one core to the event loop and the tokenizer: with every core in torch's
-    # pool, its spinning workers and the loop fight, and a 2-core step runs ~10x slower.
-    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _free_device_memory() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,15 +62,22 @@ class BenchSetup:
     def model_config(self) -> ModelConfig:
         return load_model_config(self.model_dir)
 
-    def measure_machine(self) -> MachineLimits:
+    def measure_machine(self, threads: int | None = None) -> MachineLimits:
+        """The machine's limits at this run's threads, or (on CPU) at ``threads``."""
         mc = self.model_config()
-        return measure_machine(
-            self.device,
-            self.torch_dtype,
-            hidden=mc.hidden_size,
-            intermediate=mc.intermediate_size,
-            quick=self.quick,
-        )
+        before = torch.get_num_threads()
+        if threads is not None and torch.device(self.device).type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            return measure_machine(
+                self.device,
+                self.torch_dtype,
+                hidden=mc.hidden_size,
+                intermediate=mc.intermediate_size,
+                quick=self.quick,
+            )
+        finally:
+            torch.set_num_threads(before)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +88,33 @@ class BenchSetup:
             "thread_calibration_flops": self.thread_rates,
             "kv_cache_memory": self.kv_cache_memory,
         }
+
+
+def tgengine_runs(
+    setup: BenchSetup, threads: tuple[int, ...] = ()
+) -> Iterator[tuple[str, BenchSetup]]:
+    """tgengine's runs in a bench: one at the bench's threads, named ``tgengine``, or (on CPU,
+    with ``threads``) one per thread count, named ``tgengine t=N``. Torch's thread count is
+    back at the bench's when the iteration ends."""
+    if not threads or torch.device(setup.device).type != "cpu":
+        yield "tgengine", setup
+        return
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            yield f"tgengine t={n}", dataclasses.replace(setup, threads=n)
+    finally:
+        torch.set_num_threads(setup.threads or torch.get_num_threads())
+
+
+def is_tgengine(system: str) -> bool:
+    return system == "tgengine" or system.startswith("tgengine t=")
+
+
+def best_tgengine(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """tgengine's row with the highest ``key`` (of one per thread count), or None."""
+    mine = [r for r in rows if is_tgengine(r["system"])]
+    return max(mine, key=lambda r: r[key]) if mine else None
 
 
 def machine_info(device: str) -> dict[str, Any]:

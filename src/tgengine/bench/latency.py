@@ -16,9 +16,10 @@ import anyio
 
 from ..engine import Engine
 from ..open_engine import open_engine
-from .common import BenchSetup
+from .common import BenchSetup, best_tgengine, tgengine_runs
 from .engine_run import engine_config, percentiles, run_all, stream_one, warm_up
 from .hf_baselines import load_hf_model, single_stream
+from .peers import LimitsByThreads, PeerPlan, best_by_kind, latency_job, run_peers
 from .roofline import ModelCosts, memory_floor
 from .throughput import SYSTEMS, _free, _hf_warm_up
 from .workload import BenchRequest, fixed_workload
@@ -68,6 +69,40 @@ async def _tgengine(
     }
 
 
+def _peer_rows(
+    setup: BenchSetup,
+    plan: PeerPlan,
+    singles: dict[int, list[BenchRequest]],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Each peer's single streams (median of the repeats) appended to ``rows``; what each
+    peer run reported besides its figures (version, start-up time, or its error)."""
+    info = {}
+    for run in run_peers(
+        plan,
+        lambda t: latency_job(setup.model_dir, setup.dtype, t, singles),
+        progress=setup.progress,
+    ):
+        info[run.label] = run.info()
+        if run.result is None:
+            continue
+        for n, requests in singles.items():
+            runs = [
+                {k: r[k] for k in ("ttft_s", "decode_tokens_per_s")}
+                for r in run.result["single"][str(n)]
+            ]
+            rows.append(
+                {
+                    "system": run.label,
+                    "prompt_len": len(requests[0].prompt),
+                    **_median_run(runs),
+                    "peer": run.peer.kind,
+                    "threads": run.threads,
+                }
+            )
+    return info
+
+
 def run_latency(
     setup: BenchSetup,
     *,
@@ -78,7 +113,13 @@ def run_latency(
     repeats: int = 3,
     seed: int = 0,
     systems: tuple[str, ...] = SYSTEMS,
+    peers: PeerPlan | None = None,
+    tgengine_threads: tuple[int, ...] = (),
 ) -> dict[str, Any]:
+    """Single streams on every system in ``systems`` (tgengine once per count in
+    ``tgengine_threads``, if given), then on each of ``peers`` at each of its thread counts;
+    ``concurrency`` streams at once on (the first run of) tgengine. At each prompt length,
+    tgengine's best run is the one compared."""
     mc = setup.model_config()
     limit = mc.max_position_embeddings - max_tokens - 1
     # A new prompt for every repeat: a repeated one would hit tgengine's prefix cache.
@@ -98,10 +139,14 @@ def run_latency(
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"bench": "latency"}
     if "tgengine" in systems:
-        tg = anyio.run(partial(_tgengine, setup, singles, concurrent))
-        for n, r in tg["single"].items():
-            rows.append({"system": "tgengine", "prompt_len": len(singles[n][0].prompt), **r})
-        result["concurrent"] = tg["concurrent"]
+        for label, run_setup in tgengine_runs(setup, tgengine_threads):
+            tg = anyio.run(partial(_tgengine, run_setup, singles, concurrent))
+            threads = {} if label == "tgengine" else {"threads": run_setup.threads}
+            for n, r in tg["single"].items():
+                rows.append(
+                    {"system": label, "prompt_len": len(singles[n][0].prompt), **r, **threads}
+                )
+            result.setdefault("concurrent", {"system": label, **tg["concurrent"]})
     if "hf_generate" in systems:
         model = load_hf_model(setup.model_dir, setup.torch_dtype, setup.device)
         _hf_warm_up(model)
@@ -115,14 +160,21 @@ def run_latency(
                 }
             )
         _free(model)
+    by_threads = LimitsByThreads(setup, limits)
+    if peers is not None and peers.peers:
+        result["peers"] = _peer_rows(setup, peers, singles, rows)
     for row in rows:
         context = row["prompt_len"] + max_tokens // 2
-        row.update(memory_floor(costs, limits, context, row["decode_tokens_per_s"]))
+        row_limits = by_threads.at(row["threads"]) if "threads" in row else limits
+        row.update(memory_floor(costs, row_limits, context, row["decode_tokens_per_s"]))
         row.pop("num_tokens", None)
     ratios = {}
     for length in sorted({r["prompt_len"] for r in rows}):
-        mine = [r for r in rows if r["system"] == "tgengine" and r["prompt_len"] == length]
-        theirs = [r for r in rows if r["system"] != "tgengine" and r["prompt_len"] == length]
+        best = best_tgengine([r for r in rows if r["prompt_len"] == length], "decode_tokens_per_s")
+        mine = [best] if best else []
+        theirs = [
+            r for r in rows if r["system"] == "hf_generate bs=1" and r["prompt_len"] == length
+        ]
         if mine and theirs and theirs[0]["decode_tokens_per_s"] > 0:
             ratios[f"decode tgengine / hf_generate bs=1 @ prompt {length}"] = (
                 mine[0]["decode_tokens_per_s"] / theirs[0]["decode_tokens_per_s"]
@@ -131,6 +183,16 @@ def run_latency(
                 ratios[f"TTFT hf_generate / tgengine @ prompt {length}"] = (
                     theirs[0]["ttft_s"] / mine[0]["ttft_s"]
                 )
+        at_length = [r for r in rows if r["prompt_len"] == length]
+        for kind, theirs_best in best_by_kind(at_length, "decode_tokens_per_s").items():
+            if mine and theirs_best["decode_tokens_per_s"] > 0:
+                ratios[f"decode tgengine / {kind} (best) @ prompt {length}"] = (
+                    mine[0]["decode_tokens_per_s"] / theirs_best["decode_tokens_per_s"]
+                )
+                if mine[0]["ttft_s"] > 0:
+                    ratios[f"TTFT {kind} (best) / tgengine @ prompt {length}"] = (
+                        theirs_best["ttft_s"] / mine[0]["ttft_s"]
+                    )
     result.update(
         {
             "workload": {

@@ -52,6 +52,26 @@ def roofline_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def peer_lines(result: dict[str, Any]) -> list[str]:
+    """One line per peer run: its version and start-up time, or why it failed."""
+    lines = []
+    for label, info in result.get("peers", {}).items():
+        if info.get("error"):
+            first = str(info["error"]).splitlines()[0]
+            lines.append(f"peer {label}: FAILED: {first}")
+        else:
+            lines.append(
+                f"peer {label}: version {info.get('version')}, "
+                f"started in {info.get('startup_s', 0.0):.1f} s (not timed)"
+            )
+    return lines
+
+
+def best_peer_ratios(result: dict[str, Any]) -> list[str]:
+    """The ratio lines that compare tgengine with each peer at its best thread count."""
+    return [f"{k}: {v:.2f}" for k, v in result.get("ratios", {}).items() if "(best)" in k]
+
+
 def render(result: dict[str, Any]) -> str:
     """The human-readable report of one bench result."""
     kind = result["bench"]
@@ -70,6 +90,7 @@ def render(result: dict[str, Any]) -> str:
     if workload:
         lines.append("workload: " + ", ".join(f"{k}={v}" for k, v in workload.items()))
     lines.extend(roofline_lines(result))
+    lines.extend(peer_lines(result))
     lines.append("")
     lines.append(_RENDERERS[kind](result))
     ratios = result.get("ratios")
@@ -92,10 +113,11 @@ def _throughput(result: dict[str, Any]) -> str:
             ("fraction_of_compute_floor", "of compute floor"),
         ],
     )
-    tg = result.get("details", {}).get("tgengine")
-    if tg:
+    for name, tg in result.get("details", {}).items():
+        if not name.startswith("tgengine"):
+            continue
         out += (
-            f"\ntgengine: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
+            f"\n{name}: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
             f"forward {100 * tg['forward_fraction_of_wall']:.0f}% of wall, "
             f"TTFT p50 {tg['ttft_s']['p50']:.2f} s, "
             f"inter-token p50 {1e3 * tg['inter_token_s']['p50']:.0f} ms"
@@ -148,7 +170,8 @@ def _latency(result: dict[str, Any]) -> str:
     if c:
         t, i = c["ttft_s"], c["inter_token_s"]
         out += (
-            f"\n{c['num_streams']} concurrent streams: {c['tokens_per_s']:.1f} tok/s; "
+            f"\n{c['num_streams']} concurrent streams ({c.get('system', 'tgengine')}): "
+            f"{c['tokens_per_s']:.1f} tok/s; "
             "TTFT p50/p90/p99 "
             f"{t['p50']:.3f}/{t['p90']:.3f}/{t['p99']:.3f} s; inter-token p50/p90/p99 "
             f"{1e3 * i['p50']:.1f}/{1e3 * i['p90']:.1f}/{1e3 * i['p99']:.1f} ms"
@@ -309,7 +332,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     kind = result["bench"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ratios = best_peer_ratios(result)
+    text_in = 0.22  # inches per ratio line under the charts
+    height = 4.5 + text_in * len(ratios)
+    fig, axes = plt.subplots(1, 2, figsize=(12, height))
     if kind in ("throughput", "batch32"):
         rows = result["rows"]
         names = [r["system"] for r in rows]
@@ -336,7 +362,9 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                 label=system,
             )
             axes[1].bar(xs, [by_len.get(n, {}).get("ttft_s", 0) for n in lens], width, label=system)
-        floors = {r["prompt_len"]: r["memory_floor_tokens_per_s"] for r in rows}
+        # The floor at the bench's own threads (a peer's row may be at others).
+        own = [r for r in rows if "peer" not in r] or rows
+        floors = {r["prompt_len"]: r["memory_floor_tokens_per_s"] for r in own}
         axes[0].plot(
             [j + 0.4 - width / 2 for j in range(len(lens))],
             [floors[n] for n in lens],
@@ -398,7 +426,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[1].barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
         axes[1].set_xlabel("batch-1 decode tokens/s")
     fig.suptitle(f"tgengine bench {kind}")
-    fig.tight_layout()
+    line_h = text_in / height
+    fig.tight_layout(rect=(0, line_h * len(ratios) + 0.01, 1, 1))
+    for i, line in enumerate(ratios):
+        fig.text(0.01, line_h * (len(ratios) - 1 - i) + 0.01, line, fontsize=9)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

@@ -10,7 +10,6 @@ measured bandwidth).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from functools import partial
 
 import torch
 
+from ..cpu_threads import fastest_thread_count
 from ..models import ModelConfig
 from .workload import BenchRequest
 
@@ -123,36 +123,11 @@ def measure_machine(
 def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, dict[str, float]]:
     """The CPU thread count to run with: ``requested``, or the fastest here (``auto``).
 
-    ``auto`` times 1..cores (at most 8) threads on what a decode step does: a small-batch
-    GEMM pair with a float32 norm and an activation in between, in three interleaved rounds
-    of half a second, and keeps each count's worst round. A big GEMM alone, or one short
-    round, would mislead: on shared or quota-limited machines (VMs with more vCPUs than CPU
-    time) every parallel region can stall for milliseconds, now and then, and small
-    operations, not GEMMs, then decide the speed.
+    ``auto`` is ``cpu_threads.fastest_thread_count`` with half-second rounds.
     """
     if requested not in (None, "auto"):
         return int(requested), {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    candidates = sorted({1, *range(2, min(cores or 1, 8) + 1)})
-    x = torch.randn(64, 576).to(dtype)
-    w_in = torch.randn(1536, 576).to(dtype)
-    w_out = torch.randn(576, 1536).to(dtype)
-
-    def layer() -> torch.Tensor:
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
-        return torch.nn.functional.silu(h @ w_in.T) @ w_out.T
-
-    rates: dict[str, float] = {}
-    work = 2.0 * 2 * 64 * 576 * 1536
-    for _ in range(3):
-        for n in candidates:
-            torch.set_num_threads(n)
-            with torch.inference_mode():
-                rate = _rate(layer, work, torch.device("cpu"), 0.5)
-            rates[str(n)] = min(rate, rates.get(str(n), rate))
-    best = max(candidates, key=lambda n: rates[str(n)])
-    return best, rates
+    return fastest_thread_count(dtype, 0.5)
 
 
 @dataclass(frozen=True)
@@ -160,7 +135,7 @@ class ModelCosts:
     """What one token costs the model, counted from its config."""
 
     num_params: int
-    layer_matmul_params: int  # weights every token multiplies by (all decoder layers)
+    layer_matmul_params: int  # weights every token multiplies by (all decoder layers; MoE: top_k)
     head_params: int  # the LM head, paid by tokens whose logits are computed
     weight_bytes: int  # bytes of all weights a decode step reads (layers, norms, head)
     kv_bytes_per_token: int  # K and V of one context token, all layers
@@ -171,15 +146,25 @@ class ModelCosts:
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
         bias = (q + 2 * kv) if config.attention_bias else 0
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-        layers = config.num_layers * per_layer
+        attention = h * (q + 2 * kv) + q * h
+        dense = 3 * h * config.intermediate_size
+        moe = config.moe
+        sparse = sum(moe.sparse_layers) if moe is not None else 0
+        # Every layer's weights are stored; a token multiplies by its top_k experts only.
+        layers = config.num_layers * attention + (config.num_layers - sparse) * dense
+        active = layers
+        if moe is not None:
+            expert = 3 * h * moe.intermediate_size
+            router = h * moe.num_experts
+            layers += sparse * (router + moe.num_experts * expert)
+            active += sparse * (router + moe.top_k * expert)
         norms = config.num_layers * 2 * h + h
         head = config.vocab_size * h
         embed = 0 if config.tie_word_embeddings else config.vocab_size * h
         element = torch.empty((), dtype=dtype).element_size()
         return ModelCosts(
             num_params=layers + config.num_layers * bias + norms + head + embed,
-            layer_matmul_params=layers,
+            layer_matmul_params=active,
             head_params=head,
             weight_bytes=(layers + config.num_layers * bias + norms + head) * element,
             kv_bytes_per_token=config.num_layers * 2 * kv * element,

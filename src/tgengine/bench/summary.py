@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .common import best_tgengine
 from .report import table
 
 _MIB = 1024**2
@@ -25,8 +26,7 @@ def _rows(kind: str, r: dict[str, Any]) -> list[dict[str, Any]]:
                 "% (exact)" if s["exact"] else "%",
             )
     elif kind == "throughput":
-        by_name = {row["system"]: row for row in r["rows"]}
-        tg = by_name.get("tgengine")
+        tg = best_tgengine(r["rows"], "tokens_per_s")
         if tg:
             add("tgengine output tokens/s", tg["tokens_per_s"], "tok/s")
             add("tgengine fraction of compute floor", 100 * tg["fraction_of_compute_floor"], "%")

@@ -30,6 +30,28 @@ SMOLLM2_135M: dict[str, Any] = {
 }
 
 
+# A small Qwen3-MoE (Qwen3-30B-A3B's layout: 128 experts, top-8, q/k norms, scaled down).
+QWEN3_MOE_TINY: dict[str, Any] = {
+    "vocab_size": 32768,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
 def _byte_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -47,17 +69,23 @@ def _byte_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def write_synthetic_model(path: str | Path, *, seed: int = 0) -> Path:
-    """Write a random SmolLM2-135M-shaped Llama (bfloat16 safetensors) into ``path``."""
+def write_synthetic_model(path: str | Path, *, seed: int = 0, moe: bool = False) -> Path:
+    """Write a random SmolLM2-135M-shaped Llama (bfloat16 safetensors) into ``path``.
+
+    ``moe``: a small Qwen3-MoE instead (``QWEN3_MOE_TINY``), for the benches' MoE runs.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3MoeConfig
 
     path = Path(path)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(**SMOLLM2_135M, dtype="bfloat16")
+    if moe:
+        config: Any = Qwen3MoeConfig(**QWEN3_MOE_TINY, dtype="bfloat16")
+    else:
+        config = LlamaConfig(**SMOLLM2_135M, dtype="bfloat16")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(path), safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(path))
@@ -68,4 +96,7 @@ def write_synthetic_model(path: str | Path, *, seed: int = 0) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(write_synthetic_model(sys.argv[1] if len(sys.argv) > 1 else "synthetic-smollm2"))
+    moe = "--moe" in sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--moe"]
+    default = "synthetic-qwen3-moe" if moe else "synthetic-smollm2"
+    print(write_synthetic_model(args[0] if args else default, moe=moe))

@@ -18,9 +18,10 @@ import anyio
 import torch
 
 from ..open_engine import open_engine
-from .common import BenchSetup, machine_info
+from .common import BenchSetup, best_tgengine, is_tgengine, machine_info, tgengine_runs
 from .engine_run import engine_config, percentiles, profile_steps, run_all, stream_one, warm_up
 from .hf_baselines import generate_batch, generate_static, load_hf_model, single_stream
+from .peers import LimitsByThreads, PeerPlan, best_by_kind, run_peers, throughput_job
 from .roofline import ModelCosts, compute_floor, memory_floor
 from .workload import BenchRequest, WorkloadSpec, fixed_workload, make_workload, summarize
 
@@ -77,8 +78,12 @@ def run_throughput(
     *,
     batch_sizes: tuple[int, ...] = (8, 16, 32),
     systems: tuple[str, ...] = SYSTEMS,
+    peers: PeerPlan | None = None,
+    tgengine_threads: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """The mixed workload through every system in ``systems``; JSON-ready results."""
+    """The mixed workload through every system in ``systems`` (tgengine once per count in
+    ``tgengine_threads``, if given), then through each of ``peers`` at each of its thread
+    counts; JSON-ready results. tgengine's best run is the one compared."""
     mc = setup.model_config()
     requests = make_workload(spec, mc.vocab_size, mc.max_position_embeddings)
     info = summarize(requests)
@@ -88,9 +93,12 @@ def run_throughput(
     details: dict[str, Any] = {}
     n, prompt_tokens = info["num_requests"], info["prompt_tokens"]
     if "tgengine" in systems:
-        tg = anyio.run(partial(_tgengine_mixed, setup, requests))
-        rows.append(_row("tgengine", tg["wall_s"], tg["output_tokens"], n, prompt_tokens))
-        details["tgengine"] = tg
+        for label, run_setup in tgengine_runs(setup, tgengine_threads):
+            tg = anyio.run(partial(_tgengine_mixed, run_setup, requests))
+            rows.append(_row(label, tg["wall_s"], tg["output_tokens"], n, prompt_tokens))
+            if label != "tgengine":
+                rows[-1]["threads"] = run_setup.threads
+            details[label] = tg
     if "hf_generate" in systems or "hf_generate_batch" in systems:
         model = load_hf_model(setup.model_dir, setup.torch_dtype, setup.device)
         _hf_warm_up(model)
@@ -113,10 +121,16 @@ def run_throughput(
             )
             details["hf_generate_batch"] = cb
         _free(model)
+    by_threads = LimitsByThreads(setup, limits)
     for row in rows:
-        row.update(compute_floor(costs, limits, requests, row["wall_s"]))
+        at = by_threads.at(row["threads"]) if "threads" in row else limits
+        row.update(compute_floor(costs, at, requests, row["wall_s"]))
+    peer_info = {}
+    if peers is not None and peers.peers:
+        peer_info = _peer_rows(setup, peers, requests, rows, costs, by_threads)
     return {
         "bench": "throughput",
+        "peers": peer_info,
         "workload": {"spec": spec.describe(), **info},
         "rows": rows,
         "ratios": _ratios(rows),
@@ -125,17 +139,47 @@ def run_throughput(
     }
 
 
+def _peer_rows(
+    setup: BenchSetup,
+    plan: PeerPlan,
+    requests: list[BenchRequest],
+    rows: list[dict[str, Any]],
+    costs: ModelCosts,
+    by_threads: LimitsByThreads,
+) -> dict[str, Any]:
+    """Each peer at each thread count on ``requests``, appended to ``rows``; what each
+    peer run reported besides its figures (version, start-up time, or its error)."""
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    info = {}
+    for run in run_peers(
+        plan,
+        lambda t: throughput_job(setup.model_dir, setup.dtype, t, requests),
+        progress=setup.progress,
+    ):
+        info[run.label] = run.info()
+        if run.result is None:
+            continue
+        wall = run.result["wall_s"]
+        row = _row(run.label, wall, run.result["output_tokens"], len(requests), prompt_tokens)
+        row.update({"peer": run.peer.kind, "threads": run.threads})
+        row.update(compute_floor(costs, by_threads.at(run.threads), requests, wall))
+        rows.append(row)
+    return info
+
+
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """tgengine's tokens/s over each peer's, and over the best static ``generate``."""
     by_name = {r["system"]: r for r in rows}
-    tg = by_name.get("tgengine")
+    tg = best_tgengine(rows, "tokens_per_s")
     if tg is None:
         return {}
     ratios = {
         f"tgengine / {name}": tg["tokens_per_s"] / r["tokens_per_s"]
         for name, r in by_name.items()
-        if name != "tgengine" and r["tokens_per_s"] > 0
+        if not is_tgengine(name) and r["tokens_per_s"] > 0
     }
+    if "threads" in tg:
+        ratios["best tgengine threads"] = float(tg["threads"])
     static = [r for r in rows if r["system"].startswith("hf_generate bs=")]
     if static:
         best = max(static, key=lambda r: r["tokens_per_s"])
@@ -143,6 +187,11 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
             tg["tokens_per_s"] / best["tokens_per_s"]
         )
         ratios["best hf_generate batch size"] = float(best["system"].split("=")[1])
+    for kind, row in best_by_kind(rows, "tokens_per_s").items():
+        if row["tokens_per_s"] > 0:
+            ratios[f"tgengine / {kind} (best)"] = tg["tokens_per_s"] / row["tokens_per_s"]
+            if isinstance(row["threads"], int):
+                ratios[f"best {kind} threads"] = float(row["threads"])
     return ratios
 
 

@@ -3,13 +3,15 @@
 Each subcommand runs one bench (``tgengine.bench``) in this process, prints its table, and
 with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
 ``--quick`` shrinks every size so that a run on a tiny model takes seconds (tests, smoke
-runs); its numbers mean nothing.
+runs); its numbers mean nothing. ``throughput`` and ``latency`` take ``--peer`` (vLLM CPU,
+llama.cpp; ``tgengine.bench.peers``), each run in its own environment after tgengine.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..errors import TGEngineError
@@ -46,6 +48,76 @@ def _threads(text: str) -> str | int:
     if value <= 0:
         raise argparse.ArgumentTypeError("threads: must be 'auto' or a positive integer")
     return value
+
+
+def _peer(text: str) -> Any:
+    from ..bench.peers import PeerSpecError, parse_peer
+
+    try:
+        return parse_peer(text)
+    except PeerSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _peer_threads(text: str) -> Any:
+    from ..bench.peers import PeerSpecError, parse_threads
+
+    try:
+        return parse_threads(text)
+    except PeerSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _peer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tgengine-threads",
+        type=_ints,
+        default=(),
+        metavar="N,N",
+        help="run tgengine once per thread count (rows 'tgengine t=N'); its best run is "
+        "compared (default: once, at --threads)",
+    )
+    group = parser.add_argument_group(
+        "peers", "other engines, each in its own environment, run after tgengine on the same work"
+    )
+    group.add_argument(
+        "--peer",
+        type=_peer,
+        action="append",
+        default=[],
+        metavar="KIND=PATH",
+        help="vllm=PYTHON (the python of vLLM's environment), llamacpp=LLAMA_SERVER or "
+        "llamacpp=LLAMA_SERVER,GGUF; repeatable",
+    )
+    group.add_argument("--peer-gguf", metavar="FILE", help="the GGUF llama.cpp serves")
+    group.add_argument(
+        "--peer-threads",
+        type=_peer_threads,
+        default=(1, 2),
+        metavar="N,N",
+        help="thread counts every peer runs at ('default': its own); the best one is "
+        "compared (default: 1,2)",
+    )
+    group.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="longest one peer run may take, start-up included (default: %(default)s)",
+    )
+    group.add_argument("--peer-logs", metavar="DIR", help="keep each peer's log here")
+
+
+def _peer_plan(args: argparse.Namespace) -> Any:
+    """The ``PeerPlan`` of ``--peer*``; raises ``PeerSpecError`` for a missing file."""
+    from ..bench.peers import PeerPlan, with_gguf
+
+    peers = with_gguf(args.peer, args.peer_gguf)
+    for peer in peers:
+        peer.check()
+    if args.peer_logs:
+        Path(args.peer_logs).mkdir(parents=True, exist_ok=True)
+    return PeerPlan(tuple(peers), args.peer_threads, args.peer_timeout, args.peer_logs)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +183,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--batch-sizes", type=_ints, help="static generate batch sizes (default: 8,16,32)"
     )
     p.add_argument("--systems", type=_systems, default=_SYSTEMS, help="default: %(default)s")
+    _peer_options(p)
     p.set_defaults(handler=run, runner=_throughput)
 
     p = benches.add_parser("latency", help="single-stream TTFT and decode rate; N streams")
@@ -122,6 +195,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--systems", type=_systems, default="tgengine,hf_generate", help="default: %(default)s"
     )
+    _peer_options(p)
     p.set_defaults(handler=run, runner=_latency)
 
     p = benches.add_parser("lifecycle", help="stop/pause/sleep/wakeup times, memory, RSS drift")
@@ -189,7 +263,14 @@ def _throughput(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
     spec = WorkloadSpec(num_requests=_pick(args.num_requests, 64, 6, args), seed=args.seed)
     spec = spec.scaled(_pick(args.scale, 1.0, 0.05, args))
     batch_sizes = _pick(args.batch_sizes, (8, 16, 32), (2, 4), args)
-    return run_throughput(setup, spec, batch_sizes=batch_sizes, systems=args.systems)
+    return run_throughput(
+        setup,
+        spec,
+        batch_sizes=batch_sizes,
+        systems=args.systems,
+        peers=_peer_plan(args),
+        tgengine_threads=args.tgengine_threads,
+    )
 
 
 def _latency(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -204,6 +285,8 @@ def _latency(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         repeats=_pick(args.repeats, 3, 1, args),
         seed=args.seed,
         systems=args.systems,
+        peers=_peer_plan(args),
+        tgengine_threads=args.tgengine_threads,
     )
 
 
@@ -286,6 +369,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.common import BenchSetup
+    from ..bench.peers import PeerSpecError
     from ..bench.report import render, save
     from ..bench.throughput import with_machine
 
@@ -301,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
             quick=args.quick,
         )
         result = with_machine(setup, runner(setup, args))
-    except TGEngineError as exc:
+    except (TGEngineError, PeerSpecError) as exc:
         return fail(exc)
     print(render(result), flush=True)
     if args.out:

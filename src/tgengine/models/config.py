@@ -7,16 +7,14 @@ downstream (model, KV cache, engine limits) reads the plain frozen dataclass.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tgengine.errors import ModelLoadError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tgengine.models.rope_params import RopeConfig, rope_config
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -26,24 +24,31 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; ``rope_type`` is one of ``SUPPORTED_ROPE_TYPES``.
+class MoEConfig:
+    """A sparse mixture-of-experts feed-forward block: ``top_k`` of ``num_experts`` per token.
 
-    ``factor`` is used by "linear" and "llama3"; the ``*_freq_factor`` fields and
-    ``original_max_position_embeddings`` only by "llama3".
+    Routing is a softmax over the router's logits, the ``top_k`` largest kept, renormalised to
+    sum to 1 when ``normalize_top_k``. ``sparse_layers[i]`` says whether layer ``i`` has this
+    block (else a dense MLP of ``ModelConfig.intermediate_size``). ``block_name`` and
+    ``expert_names`` (gate, up, down) are the checkpoint's module names.
     """
 
-    rope_type: str = "default"
-    theta: float = 10000.0
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    sparse_layers: tuple[bool, ...]
+    block_name: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder's shape and constants, independent of transformers' classes."""
+    """A decoder's shape, constants and variant features, independent of transformers' classes.
+
+    The variant fields default to Llama's behaviour; ``models.architectures`` sets them per
+    supported architecture.
+    """
 
     model_type: str
     vocab_size: int
@@ -63,10 +68,30 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     model_dir: str = ""
+    architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    layer_windows: tuple[int | None, ...] = ()  # per-layer window; (): sliding_window for all
+    local_rope: RopeConfig | None = None  # RoPE of the windowed layers, if it differs
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    fused_projections: bool = False  # checkpoint has qkv_proj and gate_up_proj (Phi-3)
+    moe: MoEConfig | None = None
 
     @property
     def rope_theta(self) -> float:
         return self.rope.theta
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -75,17 +100,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     Raises ``ModelLoadError`` with a one-line reason when the directory or its config is
     missing or broken, or when the model type or a feature of it is not supported.
     """
+    from tgengine.models.architectures import architecture_of, features
+
     path = Path(model_dir)
     name = str(model_dir)
     raw = _read_json(path, "config.json", required=True)
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str):
-        raise ModelLoadError(name, "config.json has no model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(SUPPORTED_MODEL_TYPES)
-        raise ModelLoadError(
-            name, f"model type {model_type!r} is not supported (supported: {supported})"
-        )
+    architecture = architecture_of(raw, name)
+    model_type = str(raw["model_type"])
     from transformers import AutoConfig
 
     try:
@@ -93,7 +114,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except Exception as exc:  # transformers raises many kinds; all mean "unreadable config"
         raise ModelLoadError(name, f"cannot read config.json: {_one_line(exc)}") from exc
     try:
-        return _build(hf, model_type, path)
+        base = _build(hf, model_type, path)
+        return replace(base, architecture=architecture, **features(hf, architecture, base))
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(name, f"config.json is incomplete: {_one_line(exc)}") from exc
 
@@ -115,9 +137,11 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
 
 def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
     name = str(path)
-    act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(name, f"hidden_act {act!r} is not supported (supported: silu)")
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(
+            name, f"hidden_act {act!r} is not supported (supported: silu, gelu_pytorch_tanh)"
+        )
     num_heads = int(hf.num_attention_heads)
     num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
@@ -141,7 +165,7 @@ def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
-        rope=_rope_config(hf, max_pos, name),
+        rope=rope_config(hf, max_pos, name),
         # Qwen2 always has q/k/v bias (its config has no flag); Llama reads attention_bias.
         attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -151,43 +175,17 @@ def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=int(bos) if isinstance(bos, int) else None,
         model_dir=name,
-    )
-
-
-def _rope_config(hf: Any, max_pos: int, name: str) -> RopeConfig:
-    # transformers 5 keeps everything in rope_parameters; 4.x has rope_theta + rope_scaling.
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    theta = float(params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = ", ".join(SUPPORTED_ROPE_TYPES)
-        raise ModelLoadError(
-            name, f"rope type {rope_type!r} is not supported (supported: {supported})"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError(name, "partial_rotary_factor is not supported")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    factor = float(params["factor"])
-    if rope_type == "linear":
-        return RopeConfig(rope_type="linear", theta=theta, factor=factor)
-    return RopeConfig(
-        rope_type="llama3",
-        theta=theta,
-        factor=factor,
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings") or max_pos
-        ),
+        hidden_act=act,
     )
 
 
 def _sliding_window(hf: Any, model_type: str, max_pos: int, name: str) -> int | None:
-    if model_type == "qwen2":
-        # Qwen2's window applies only to some layers (max_window_layers): not supported.
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        # Qwen's window applies only to some layers (max_window_layers): not supported.
         if getattr(hf, "use_sliding_window", False):
-            raise ModelLoadError(name, "qwen2 with use_sliding_window=true is not supported")
+            raise ModelLoadError(
+                name, f"{model_type} with use_sliding_window=true is not supported"
+            )
         return None
     window = getattr(hf, "sliding_window", None)
     if window is None or int(window) >= max_pos:

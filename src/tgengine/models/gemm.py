@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tgengine.models.fused import fused_rows
 
 GEMV_MAX_ROWS = 2
-UPCAST_CHUNK = 4 * 1024 * 1024  # weight elements widened at once: 16 MiB of float32
+UPCAST_CHUNK = 512 * 1024  # weight elements widened at once: 2 MiB of float32, near the L2
 _HALF = (torch.bfloat16, torch.float16)
 
 

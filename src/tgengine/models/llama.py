@@ -1,4 +1,4 @@
-"""``CausalLM``: tgengine's own forward for Llama-family decoders (Llama, Mistral, Qwen2).
+"""``CausalLM``: tgengine's own forward for every supported decoder (``models.architectures``).
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...) so a
 checkpoint loads by name. The forward reads one ``ForwardInputs`` (all sequences' rows
@@ -8,120 +8,82 @@ float32 logits for ``inputs.logits_rows`` only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tgengine.models import kernels
-from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
+from tgengine.models.attention import AttentionPlan
 from tgengine.models.config import ModelConfig
-from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
-from tgengine.models.rope import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before scaling, as transformers does.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-@dataclass
-class StepContext:
-    """What every layer reads during one forward, besides its hidden states."""
-
-    inputs: ForwardInputs
-    plan: AttentionPlan
-    kv_cache: KVCache
-    cos: torch.Tensor
-    sin: torch.Tensor
-    gemm: Gemm
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        # One GEMM for q, k and v: their weights are row blocks of one buffer.
-        self.qkv = LinearWeights([self.q_proj, self.k_proj, self.v_proj])
-        self.o = LinearWeights([self.o_proj])
-
-    def linear_weights(self) -> list[LinearWeights]:
-        return [self.qkv, self.o]
-
-    def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
-        rows = x.shape[0]
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        bias = fused_rows([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
-        # Queries and keys rotate in one go; values are the last kv heads, unrotated.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], step.cos, step.sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        blocks = step.kv_cache.layer_heads(layer)
-        write_kv(blocks, step.inputs.slot_mapping, k, v)
-        out = paged_attention(q, k, v, blocks, step.plan, self.scale)
-        return step.gemm.linear(out.reshape(rows, -1), self.o)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up = LinearWeights([self.gate_proj, self.up_proj])
-        self.down = LinearWeights([self.down_proj])
-
-    def linear_weights(self) -> list[LinearWeights]:
-        return [self.gate_up, self.down]
-
-    def forward(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-        gate, up = gemm.linear(x, self.gate_up).chunk(2, dim=-1)
-        return gemm.linear(F.silu(gate) * up, self.down)
+from tgengine.models.layers import MLP, RMSNorm
+from tgengine.models.moe import SparseMoE
+from tgengine.models.rope import RotaryEmbedding
+from tgengine.models.self_attention import Attention, StepContext
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Attention then a feed-forward block (dense ``MLP`` or ``SparseMoE``), each residual.
+
+    Pre-norms only (Llama and most): ``input_layernorm`` before attention and
+    ``post_attention_layernorm`` before the MLP. With ``sandwich_norms`` (Gemma 3) the
+    attention and the MLP outputs are normed too before they join the residual, and the MLP's
+    pre-norm is ``pre_feedforward_layernorm``.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.self_attn = Attention(config, layer)
+        moe = config.moe
+        ffn: MLP | SparseMoE
+        if moe is not None and moe.sparse_layers[layer]:
+            ffn = SparseMoE(config.hidden_size, moe, config.hidden_act)
+            self._ffn_name = moe.block_name
+        else:
+            ffn = MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                fused=config.fused_projections,
+            )
+            self._ffn_name = "mlp"
+        self.add_module(self._ffn_name, ffn)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
+
+    @property
+    def ffn(self) -> MLP | SparseMoE:
+        found = getattr(self, self._ffn_name)
+        assert isinstance(found, (MLP, SparseMoE))
+        return found
+
+    def linear_weights(self) -> list[LinearWeights]:
+        return [*self.self_attn.linear_weights(), *self.ffn.linear_weights()]
 
     def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, layer)
-        return x + self.mlp(self.post_attention_layernorm(x), step.gemm)
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), step, layer)
+            return x + self.ffn(self.post_attention_layernorm(x), step.gemm)
+        attn = self.self_attn(self.input_layernorm(x), step, layer)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.ffn(self.pre_feedforward_layernorm(x), step.gemm)
+        return x + self.post_feedforward_layernorm(mlp)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset
+        )
 
 
 class CausalLM(nn.Module):
@@ -143,7 +105,8 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
+        self.rotary = [RotaryEmbedding(rope, config.head_dim) for rope in ropes]
         self.head = LinearWeights([self.lm_head]) if self.lm_head is not None else None
         self.gemm = Gemm()
         self.use_kernels = True
@@ -160,7 +123,7 @@ class CausalLM(nn.Module):
         found: list[LinearWeights] = []
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
-            found += [*layer.self_attn.linear_weights(), *layer.mlp.linear_weights()]
+            found += layer.linear_weights()
         return [*found, self.head] if self.head is not None else found
 
     def forward(self, inputs: ForwardInputs, kv_cache: KVCache) -> torch.Tensor:
@@ -169,19 +132,24 @@ class CausalLM(nn.Module):
         Side effect: every row's keys and values are written to ``kv_cache`` at
         ``inputs.slot_mapping``, in every layer.
         """
+        c = self.config
         x = self.model.embed_tokens(inputs.input_ids)
-        cos, sin = self.rotary.cos_sin(inputs.positions, x.dtype)
-        plan = AttentionPlan.build(
-            inputs,
-            kv_cache.block_size,
-            self.config.sliding_window,
-            use_kernel=self.use_kernels and self._kernel_fits(kv_cache),
-        )
-        step = StepContext(inputs, plan, kv_cache, cos, sin, self.gemm)
+        if c.embed_scale is not None:
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
+        rotary = [r.cos_sin(inputs.positions, x.dtype) for r in self.rotary]
+        use_kernel = self.use_kernels and self._kernel_fits(kv_cache)
+        windows = {c.window_of(i) for i in range(c.num_layers)}
+        plans = {
+            w: AttentionPlan.build(inputs, kv_cache.block_size, w, use_kernel=use_kernel)
+            for w in windows
+        }
+        step = StepContext(inputs, plans, kv_cache, rotary, self.gemm)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, step, i)
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
         x = self.model.norm(x)
         head = self.head if self.head is not None else self.model.embed_tokens.weight
-        return self.gemm.linear(x, head).float()
+        logits = self.gemm.linear(x, head).float()
+        cap = c.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

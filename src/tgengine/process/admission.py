@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..admission import check_token_ids, encode_prompt
 from ..errors import InvalidRequestError
-from ..prompts import check_token_ids, encode_prompt
 from ..sampling import SamplingParams
 from ..structured_outputs.compiler import GrammarCompiler
 

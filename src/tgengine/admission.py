@@ -1,4 +1,4 @@
-"""Admission checks of a prompt and of the token ids in its params (``InvalidRequestError``)."""
+"""What ``Engine.generate`` checks of a request before admitting it (no engine state)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from .sampling import SamplingParams
 def encode_prompt(
     tokenizer: Any, prompt: str | list[int], vocab_size: int, max_model_len: int
 ) -> list[int]:
-    """Token ids of ``prompt`` (a str, or token ids checked against the vocabulary).
-
-    Raises ``InvalidRequestError`` for an empty prompt, ids outside the vocabulary, or a
-    prompt that leaves no room for one generated token.
-    """
+    """The prompt's token ids; ``InvalidRequestError("prompt", ...)`` if unusable."""
     if isinstance(prompt, str):
         token_ids = list(tokenizer.encode(prompt)) if prompt else []
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -35,8 +31,7 @@ def encode_prompt(
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """``InvalidRequestError`` if ``logit_bias`` or ``stop_token_ids`` name an id outside
-    the vocabulary."""
+    """``logit_bias`` and ``stop_token_ids`` name tokens of the vocabulary."""
     checked = {"logit_bias": params.logit_bias or {}, "stop_token_ids": params.stop_token_ids}
     for name, ids in checked.items():
         bad = [t for t in ids if t >= vocab_size]

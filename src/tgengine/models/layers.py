@@ -1,0 +1,80 @@
+"""Layers every architecture shares: RMSNorm (plain or Gemma's ``1 + w``) and the gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tgengine.models.gemm import Gemm, LinearWeights
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last axis, computed in float32 as transformers does.
+
+    Plain (Llama, Qwen, Mistral, Phi-3): ``weight * normed.to(dtype)``. With ``unit_offset``
+    (Gemma): ``(normed * (1 + weight)).to(dtype)``, the weight stored as its offset from 1.
+    """
+
+    def __init__(self, size: int, eps: float, *, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate activation: ``silu`` or ``gelu_pytorch_tanh``."""
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; gate and up are one GEMM over their fused rows.
+
+    ``names`` are the checkpoint's module names (gate, up, down); with ``fused`` the checkpoint
+    holds gate and up as one ``gate_up_proj`` (Phi-3), which is then the one row block.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        *,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        fused: bool = False,
+    ) -> None:
+        super().__init__()
+        self.act = act
+        gate_name, up_name, down_name = names
+        if fused:
+            gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+            self.add_module("gate_up_proj", gate_up)
+            blocks = [gate_up]
+        else:
+            gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+            up = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.add_module(gate_name, gate)
+            self.add_module(up_name, up)
+            blocks = [gate, up]
+        down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.add_module(down_name, down)
+        self.gate_up = LinearWeights(blocks)
+        self.down = LinearWeights([down])
+
+    def linear_weights(self) -> list[LinearWeights]:
+        return [self.gate_up, self.down]
+
+    def forward(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
+        gate, up = gemm.linear(x, self.gate_up).chunk(2, dim=-1)
+        return gemm.linear(activation(self.act, gate) * up, self.down)

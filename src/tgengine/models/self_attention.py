@@ -1,0 +1,95 @@
+"""``Attention``: one decoder layer's self-attention over the paged KV cache, every variant.
+
+Projections (q/k/v as one GEMM over fused row blocks, or the checkpoint's own fused
+``qkv_proj``), optional per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE with the layer's own
+frequencies, the layer's sliding window and the model's attention scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
+from tgengine.models.config import ModelConfig
+from tgengine.models.fused import fused_rows
+from tgengine.models.gemm import Gemm, LinearWeights
+from tgengine.models.inputs import ForwardInputs
+from tgengine.models.kv_cache import KVCache
+from tgengine.models.layers import RMSNorm
+from tgengine.models.rope import apply_rotary
+
+
+@dataclass
+class StepContext:
+    """What every layer reads during one forward, besides its hidden states.
+
+    ``plans`` holds one attention plan per distinct window (None: full attention) and
+    ``rotary`` one ``(cos, sin)`` per RoPE (0: the model's, 1: the local layers' own).
+    """
+
+    inputs: ForwardInputs
+    plans: dict[int | None, AttentionPlan]
+    kv_cache: KVCache
+    rotary: list[tuple[torch.Tensor, torch.Tensor]]
+    gemm: Gemm
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer)
+        self.rope_index = 1 if config.local_rope is not None and self.window is not None else 0
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        projs: list[nn.Linear]
+        if config.fused_projections:
+            self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+            projs = [self.qkv_proj]
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+            projs = [self.q_proj, self.k_proj, self.v_proj]
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            offset = config.norm_unit_offset
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=offset)
+        # One GEMM for q, k and v: their weights are row blocks of one buffer.
+        self._projs = projs
+        self.qkv = LinearWeights(projs)
+        self.o = LinearWeights([self.o_proj])
+
+    def linear_weights(self) -> list[LinearWeights]:
+        return [self.qkv, self.o]
+
+    def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
+        rows = x.shape[0]
+        bias = None
+        if self._projs[0].bias is not None:
+            bias = fused_rows([p.bias for p in self._projs if p.bias is not None])
+        qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        cos, sin = step.rotary[self.rope_index]
+        if self.q_norm is None or self.k_norm is None:
+            # Queries and keys rotate in one go; values are the last kv heads, unrotated.
+            qk = apply_rotary(qkv[:, :heads], cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : heads]), cos, sin)
+        v = qkv[:, heads:]
+        blocks = step.kv_cache.layer_heads(layer)
+        write_kv(blocks, step.inputs.slot_mapping, k, v)
+        out = paged_attention(q, k, v, blocks, step.plans[self.window], self.scale)
+        return step.gemm.linear(out.reshape(rows, -1), self.o)

@@ -1,0 +1,31 @@
+"""The default CPU thread count is measured: the fastest count here, once per process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgengine import cpu_threads
+
+
+def test_fastest_count_is_measured_among_the_cores() -> None:
+    before = torch.get_num_threads()
+    try:
+        best, rates = cpu_threads.fastest_thread_count(torch.float32, 0.01)
+        cores = min(cpu_threads.available_cores(), 8)
+        assert set(rates) == {str(n) for n in range(1, cores + 1)}
+        assert all(rate > 0 for rate in rates.values())
+        assert rates[str(best)] == max(rates.values())
+        assert torch.get_num_threads() == best
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_core_needs_no_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 1)
+    monkeypatch.setattr(cpu_threads, "fastest_thread_count", pytest.fail)
+    cpu_threads.default_thread_count.cache_clear()
+    try:
+        assert cpu_threads.default_thread_count(torch.bfloat16) == 1
+    finally:
+        cpu_threads.default_thread_count.cache_clear()
