@@ -226,9 +226,16 @@ class LifecycleMachine(RuleBasedStateMachine):
     def requests_in(self, ids: set[str]) -> list[RequestModel]:
         return [r for r in self.d.requests if r.request_id in ids]
 
+    def busy(self, busy: bool) -> None:
+        """With ``busy``, a request is running (it needs dozens of steps) or held when the next
+        call comes."""
+        if busy and self.model.admission_error() is None:
+            self.admit(1, MAX_TOKENS)
+
     @precondition(lambda self: self.model.alive)
-    @rule(mode=st.sampled_from(["abort", "drain", "keep"]))
-    def pause(self, mode: str) -> None:
+    @rule(mode=st.sampled_from(["abort", "drain", "keep"]), busy=st.booleans())
+    def pause(self, mode: str, busy: bool = False) -> None:
+        self.busy(busy)
         was = self.model.state
         want = self.model.pause(mode)
         live, error = self.control(self.d.engine.pause, mode)
@@ -257,8 +264,11 @@ class LifecycleMachine(RuleBasedStateMachine):
                 req.held = False
 
     @precondition(lambda self: self.model.alive)
-    @rule(level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]))
-    def sleep(self, level: int, mode: str) -> None:
+    @rule(
+        level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]), busy=st.booleans()
+    )
+    def sleep(self, level: int, mode: str, busy: bool = False) -> None:
+        self.busy(busy)
         was = self.model.state
         want = self.model.sleep(level, mode)
         live, error = self.control(self.d.engine.sleep, level, mode)
@@ -307,8 +317,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.start_engine(self.when_asleep)
 
     @precondition(lambda self: self.model.alive)
-    @rule(grace=st.sampled_from([0.0, BOUND / 3]))
-    def stop(self, grace: float) -> None:
+    @rule(grace=st.sampled_from([0.0, BOUND / 3]), busy=st.booleans())
+    def stop(self, grace: float, busy: bool = False) -> None:
+        self.busy(busy)
         held = [r for r in self.live() if r.held]
 
         def stop_now() -> tuple[set[str], set[str]]:
