@@ -16,6 +16,7 @@ from engine_helpers import (
     collect,
     engine_threads,
     greedy,
+    hf_greedy,
     stream_all,
     tiny_config,
     tokens_of,
@@ -93,6 +94,22 @@ async def test_cache_not_ready_fails_one_request_only(tiny_llama_dir: Path) -> N
     for i, c in enumerate(consumers):
         if i != 3:
             assert c.finish_reason == "length" and c.token_ids == want[i]
+
+
+async def test_a_cache_error_leaves_no_prefix_behind(tiny_llama_dir: Path) -> None:
+    """The failed step computed none of the victim's KV: later requests must not hit it."""
+    prompt, params = list(range(40, 62)), greedy(8)  # five full blocks of four tokens
+    faults = FaultInjector()
+    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            faults.cache_not_ready_at[faults.num_steps + 1] = {"victim"}
+            victim = [c async for c in engine.generate(prompt, params, request_id="victim")]
+            again = tokens_of(await collect(engine, prompt, params))
+            engine.stop()
+    assert victim[-1].finish_reason == "error"
+    assert again == hf_greedy(tiny_llama_dir, prompt, 8)
 
 
 async def test_a_failing_cleanup_never_hides_the_fault(

@@ -1,289 +1,500 @@
-"""A hypothesis state machine over a real tiny model: no interleaving of lifecycle calls
-breaks the engine's promises, on asyncio and on trio.
+"""A hypothesis state machine over a real tiny model: the lifecycle as a complete oracle.
 
-The engine runs in a blocking portal (an event loop of the chosen backend in a thread);
-each rule is one call into it, bounded by ``fail_after``.
+Rules drive every lifecycle call and fault (generate, break off, cancel, abort, pause,
+resume, sleep, wakeup, update_weights valid and invalid, stop with a grace, a step that
+raises or hangs, one request's cache error), on asyncio and on trio. A model
+(``lifecycle_model``) says how every request must end and what the engine's state must
+be; after every rule the machine checks the state, the memory, the block accounting and
+the counters, and checks each ended request against its model: its finish reason, its
+error, and its tokens against transformers' greedy reference for the weights it ran on.
+
+``TGENGINE_HYPOTHESIS_EXAMPLES`` (default 10 per backend) and ``TGENGINE_HYPOTHESIS_STEPS``
+(default 25) give longer runs; ``TGENGINE_HYPOTHESIS_DERANDOMIZE=1`` makes a run repeatable
+(the same examples every time, no example database), as mutation testing needs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import torch
+from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
     run_state_machine_as_test,
 )
 
-from tgengine import (
-    Engine,
-    EnginePausedError,
-    EngineSleepingError,
-    EngineState,
-    EngineStoppedError,
+from tgengine import EngineDeadError, EngineState, SamplingParams
+
+from engine_helpers import engine_threads, hf_greedy, tiny_config
+from lifecycle_driver import BOUND, EngineDriver, read_dir_weights
+from lifecycle_model import (
+    CACHE_ERROR,
+    DEATH_ERROR,
+    EngineModel,
+    RequestModel,
+    check_outcome,
 )
-from tgengine._faults import FaultInjector
-from tgengine.models import iter_safetensors
 
-from engine_helpers import Consumer, collect, engine_threads, greedy, tiny_config, tokens_of
-
-BOUND = 30.0  # seconds: any single call, and the final drain, must finish within it
-PROMPTS = [[5, 17, 42, 99], [3, 3, 3, 3, 3, 3, 3, 3, 3, 9], [100, 200, 300], list(range(40, 62))]
 S = EngineState
+MAX_TOKENS = 32
+STEP_TIMEOUT = 1.0  # seconds: a tiny model's step takes milliseconds
+PROMPTS = [
+    [5, 17, 42, 99],
+    list(range(40, 62)),
+    [*range(40, 54), 7, 8, 9],  # shares three full blocks (block_size 4) with the last
+    [*range(40, 62), 11, 12, 13],  # extends the second prompt
+    [3, 3, 3, 3, 3, 3, 3, 3, 3, 9],
+    [100, 200, 300],
+]
+EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_EXAMPLES", "10"))
+STEPS = int(os.environ.get("TGENGINE_HYPOTHESIS_STEPS", "25"))
+DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
 
-@functools.lru_cache(maxsize=4)
-def reference_tokens(model_dir: str, backend: str) -> dict[tuple[int, int], list[int]]:
-    """Greedy tokens of every (prompt, max_tokens) the machine may ask for, from a fresh engine."""
+class Boom(RuntimeError):
+    pass
 
-    async def compute() -> dict[tuple[int, int], list[int]]:
-        engine = Engine(tiny_config(Path(model_dir)))
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            out = {}
-            for i, prompt in enumerate(PROMPTS):
-                full = tokens_of(await collect(engine, prompt, greedy(24)))
-                for n in range(1, 25):
-                    out[(i, n)] = full[:n]
-            engine.stop()
-        return out
 
-    return anyio.run(compute, backend=backend)
+@functools.lru_cache(maxsize=2)
+def reference(dir_a: str, dir_b: str) -> dict[str, dict[int, list[int]]]:
+    """transformers' greedy tokens of every prompt, for weight set A (on disk) and B."""
+    dirs = {"A": dir_a, "B": dir_b}
+    return {
+        w: {i: hf_greedy(d, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)} for w, d in dirs.items()
+    }
+
+
+@functools.lru_cache(maxsize=2)
+def weight_sets(dir_a: str, dir_b: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    return {"A": read_dir_weights(Path(dir_a)), "B": read_dir_weights(Path(dir_b))}
+
+
+async def _host(*, task_status: anyio.abc.TaskStatus[anyio.abc.TaskGroup]) -> None:
+    async with anyio.create_task_group() as tg:
+        task_status.started(tg)
+        await anyio.sleep_forever()
 
 
 class LifecycleMachine(RuleBasedStateMachine):
-    model_dir: Path
+    dir_a: Path
+    dir_b: Path
     backend: str
 
     def __init__(self) -> None:
         super().__init__()
         self._portal_cm = start_blocking_portal(self.backend)
-        self.portal: BlockingPortal = self._portal_cm.__enter__()
-        self.faults = FaultInjector()
-        self.engine = Engine(tiny_config(self.model_dir, num_blocks=48), _faults=self.faults)
-        self.run_future, _ = self.portal.start_task(self.engine.run)
-        self.expected = S.RUNNING
-        self.pause_mode: str | None = None
-        self.sleeping: set[str] = set()
-        self.consumers: list[tuple[Consumer, int, int, int | None]] = []
-        self.uninterrupted: set[int] = set()
-        self.weights = list(iter_safetensors(self.model_dir))
+        self.portal = self._portal_cm.__enter__()
+        self.host, self.tg = self.portal.start_task(_host)
+        self.reference = reference(str(self.dir_a), str(self.dir_b))
+        self.weights = weight_sets(str(self.dir_a), str(self.dir_b))
+        self.driver: EngineDriver | None = None
+        self.model = EngineModel("reject")
+        self.when_asleep = "reject"
+        self.ids = itertools.count()
+        self.num_engines = 0
+        self.num_deaths = 0
 
-    def call(self, fn: Any, *args: Any) -> Any:
-        async def bounded() -> Any:
-            with anyio.fail_after(BOUND):
-                return await fn(*args)
+    @initialize(when_asleep=st.sampled_from(["reject", "wait"]))
+    def start_engine(self, when_asleep: str = "reject") -> None:
+        self.when_asleep = when_asleep
+        config = tiny_config(
+            self.dir_a, num_blocks=48, when_asleep=when_asleep, step_timeout=STEP_TIMEOUT
+        )
+        self.num_engines += 1
+        self.driver = EngineDriver(self.portal, config, self.num_engines)
+        self.model = EngineModel(when_asleep)
 
-        return self.portal.call(bounded)
+    @property
+    def d(self) -> EngineDriver:
+        assert self.driver is not None
+        return self.driver
+
+    def live(self) -> list[RequestModel]:
+        return [r for r in self.d.requests if not r.done.is_set()]
 
     # -- requests -------------------------------------------------------------------
 
     @rule(
         prompt=st.integers(0, len(PROMPTS) - 1),
-        max_tokens=st.integers(1, 24),
+        max_tokens=st.integers(1, MAX_TOKENS),
+        stop_at=st.none() | st.integers(0, MAX_TOKENS - 1),
         break_after=st.none() | st.integers(1, 6),
     )
-    def submit(self, prompt: int, max_tokens: int, break_after: int | None) -> None:
-        consumer = Consumer(self.engine, PROMPTS[prompt], greedy(max_tokens))
+    def submit(
+        self, prompt: int, max_tokens: int, stop_at: int | None, break_after: int | None
+    ) -> None:
+        self.admit(prompt, max_tokens, stop_at, break_after)
 
-        async def start() -> Any:
-            try:
-                return self.engine.generate(consumer.prompt, consumer.params)
-            except Exception as exc:
-                return exc
-
-        stream = self.portal.call(start)
-        want = self.admission_error()
+    def admit(
+        self,
+        prompt: int,
+        max_tokens: int,
+        stop_at: int | None = None,
+        break_after: int | None = None,
+    ) -> RequestModel | None:
+        model = self.model
+        want = model.admission_error()
+        stop_token = None
+        if stop_at is not None and stop_at < max_tokens:
+            stop_token = self.reference[model.weights][prompt][stop_at]
+        req = RequestModel(
+            request_id=f"m{next(self.ids)}",
+            engine_no=self.d.number,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stop_token=stop_token,
+            weights=model.weights,
+            break_after=break_after,
+            held=model.holds_new_requests(),
+        )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=() if stop_token is None else (stop_token,),
+        )
+        error = self.d.admit(self.tg, req, PROMPTS[prompt], params)
         if want is None:
-            assert not isinstance(stream, BaseException), stream
-            self.start_consumer(consumer, stream, break_after)
-            index = len(self.consumers)
-            self.consumers.append((consumer, prompt, max_tokens, break_after))
-            if break_after is None and self.expected is not S.STOPPED:
-                self.uninterrupted.add(index)
-        else:
-            assert isinstance(stream, want), (stream, want)
-
-    def start_consumer(self, consumer: Consumer, stream: Any, break_after: int | None) -> None:
-        async def consume() -> None:
-            try:
-                async for chunk in stream:
-                    consumer.chunks.append(chunk)
-                    if break_after is not None and len(consumer.chunks) >= break_after:
-                        break
-            finally:
-                consumer.done.set()
-
-        self.portal.start_task_soon(consume)
-
-    def admission_error(self) -> type[Exception] | None:
-        if self.expected is S.STOPPED:
-            return EngineStoppedError
-        if self.expected is S.SLEEPING:
-            return EngineSleepingError
-        if self.expected is S.PAUSED and self.pause_mode == "abort":
-            return EnginePausedError
+            assert error is None, error
+            return req
+        assert isinstance(error, want), (error, want)
         return None
 
-    @rule(data=st.data())
-    def abort_one(self, data: st.DataObject) -> None:
-        if not self.consumers:
-            return
-        index = data.draw(st.integers(0, len(self.consumers) - 1))
-        self.uninterrupted.discard(index)
-        consumer = self.consumers[index][0]
-        if consumer.chunks:
-            self.portal.call(self._abort, consumer.chunks[0].request_id)
+    def pick(self, pick: int) -> RequestModel:
+        """A request the engine still runs if there is one (which one varies with timing; the
+        drawn data do not), else any."""
+        live = self.d.live_ids()
+        candidates = [r for r in self.d.requests if r.request_id in live] or self.d.requests
+        return candidates[pick % len(candidates)]
 
-    async def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    @precondition(lambda self: self.driver is not None and self.driver.requests)
+    @rule(pick=st.integers(0, 255))
+    def abort(self, pick: int) -> None:
+        req = self.pick(pick)
 
-    @rule()
-    def inject_cache_error(self) -> None:
-        tracker = self.engine._loop.tracker
-        live = list(tracker.requests) if tracker else []
-        if live:
-            self.faults.cache_not_ready_at[self.faults.num_steps + 1] = {live[0]}
-            for i, (c, *_rest) in enumerate(self.consumers):
-                if (c.chunks and c.chunks[0].request_id == live[0]) or not c.chunks:
-                    self.uninterrupted.discard(i)
+        def abort_now() -> bool:
+            live = req.request_id in self.d.live_ids()
+            self.d.engine.abort(req.request_id)
+            return live
+
+        if self.d.run_sync(abort_now):  # live when aborted: nothing else may end it
+            req.allowed, req.must_end = {"abort"}, True
+
+    @precondition(lambda self: self.driver is not None and self.driver.requests)
+    @rule(pick=st.integers(0, 255))
+    def cancel_consumer(self, pick: int) -> None:
+        req = self.pick(pick)
+        req.may_end("abort")
+        self.d.cancel_consumer(req)
 
     # -- control --------------------------------------------------------------------
 
-    @precondition(lambda self: self.expected in (S.RUNNING, S.PAUSED))
-    @rule(mode=st.sampled_from(["abort", "drain", "keep"]))
-    def pause(self, mode: str) -> None:
-        if mode == "abort":
-            self.uninterrupted.clear()
-        self.call(self.engine.pause, mode)
-        if self.expected is S.RUNNING or mode == "abort":
-            self.pause_mode = mode
-        self.expected = S.PAUSED
+    def control(self, fn: Any, *args: Any) -> tuple[set[str], Any]:
+        """Call ``fn(*args)``; the ids live just before it (same loop tick), and its error."""
 
-    @precondition(lambda self: self.expected in (S.RUNNING, S.PAUSED))
+        async def call() -> tuple[set[str], Any]:
+            live = self.d.live_ids()
+            try:
+                await fn(*args)
+            except Exception as exc:
+                return live, exc
+            return live, None
+
+        result: tuple[set[str], Any] = self.d.call(call)
+        return result
+
+    def expect(self, error: Any, want: type[Exception] | None) -> None:
+        if want is None:
+            assert error is None, error
+        else:
+            assert isinstance(error, want), (error, want)
+
+    def requests_in(self, ids: set[str]) -> list[RequestModel]:
+        return [r for r in self.d.requests if r.request_id in ids]
+
+    def busy(self, busy: bool) -> None:
+        """With ``busy``, a request is running (it needs dozens of steps) or held when the next
+        call comes."""
+        if busy and self.model.admission_error() is None:
+            self.admit(1, MAX_TOKENS)
+
+    @precondition(lambda self: self.model.alive)
+    @rule(mode=st.sampled_from(["abort", "drain", "keep"]), busy=st.booleans())
+    def pause(self, mode: str, busy: bool = False) -> None:
+        self.busy(busy)
+        was = self.model.state
+        want = self.model.pause(mode)
+        live, error = self.control(self.d.engine.pause, mode)
+        self.expect(error, want)
+        if want is None and was is not S.SLEEPING:
+            self.paused(self.requests_in(live), mode)
+
+    def paused(self, reqs: list[RequestModel], mode: str) -> None:
+        for req in reqs:
+            if mode == "abort":
+                req.may_end("abort")
+            elif mode == "drain" and not req.held:
+                req.must_end = True  # drained: ended by now, naturally
+
+    @precondition(lambda self: self.model.alive)
     @rule()
     def resume(self) -> None:
-        self.call(self.engine.resume)
-        self.expected, self.pause_mode = S.RUNNING, None
+        want = self.model.resume()
+        _, error = self.control(self.d.engine.resume)
+        self.expect(error, want)
+        self.released_if_running()
 
-    @precondition(lambda self: self.expected in (S.RUNNING, S.PAUSED, S.SLEEPING))
-    @rule(level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]))
-    def sleep(self, level: int, mode: str) -> None:
-        if mode == "abort" and self.expected is not S.SLEEPING:
-            self.uninterrupted.clear()
-        if self.expected is not S.SLEEPING:
-            self.resume_to = self.expected
-            if self.expected is S.RUNNING:
-                self.pause_mode = mode
-        self.sleeping = {"weights", "kv_cache"}
-        self.call(self.engine.sleep, level, mode)
-        self.expected = S.SLEEPING
-        for stats in self.engine.memory_stats().values():
-            assert stats.kv_cache_bytes == 0 and stats.weights_bytes == 0
+    def released_if_running(self) -> None:
+        if self.model.state is S.RUNNING:
+            for req in self.d.requests:
+                req.held = False
 
-    @precondition(lambda self: self.expected is S.SLEEPING)
+    @precondition(lambda self: self.model.alive)
+    @rule(
+        level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]), busy=st.booleans()
+    )
+    def sleep(self, level: int, mode: str, busy: bool = False) -> None:
+        self.busy(busy)
+        was = self.model.state
+        want = self.model.sleep(level, mode)
+        live, error = self.control(self.d.engine.sleep, level, mode)
+        self.expect(error, want)
+        if want is None and was is not S.SLEEPING:
+            self.paused(self.requests_in(live), mode)
+
+    @precondition(lambda self: self.model.alive)
     @rule(tags=st.lists(st.sampled_from(["weights", "kv_cache"]), min_size=1, unique=True))
     def wakeup(self, tags: list[str]) -> None:
-        self.call(self.engine.wakeup, tags)
-        self.sleeping -= set(tags)
-        if not self.sleeping:
-            self.expected = self.resume_to
-            if self.expected is S.RUNNING:
-                self.pause_mode = None
+        want = self.model.wakeup(tags)
+        _, error = self.control(self.d.engine.wakeup, tags)
+        self.expect(error, want)
+        self.weights_are(self.model.weights)
+        self.released_if_running()
 
-    @precondition(lambda self: self.expected is not S.STOPPED and "weights" not in self.sleeping)
+    def weights_are(self, weights: str) -> None:
+        for req in self.live():
+            req.weights_changed(weights)
+
+    @precondition(lambda self: self.model.alive)
+    @rule(weights=st.sampled_from(["A", "B", "invalid"]))
+    def update_weights(self, weights: str) -> None:
+        if weights == "invalid":  # a valid tensor first: nothing may be applied
+            (name, tensor), (bad, _) = self.weights["B"][:2]
+            named = [(name, tensor), (bad, torch.zeros(3))]
+            want = self.model.update_weights(None)
+        else:
+            named = self.weights[weights]
+            want = self.model.update_weights(weights)
+        kept: list[int] = []
+
+        async def update() -> None:
+            await self.d.engine.update_weights(named)
+            kept.append(self.d.cached_prefixes())  # no step ran with the new weights yet
+
+        _, error = self.control(update)
+        self.expect(error, want)
+        assert kept in ([], [0]), f"{kept} prefixes computed with the old weights kept"
+        self.weights_are(self.model.weights)
+
+    @precondition(lambda self: self.model.state is S.STOPPED)
     @rule()
-    def update_weights(self) -> None:
-        version = self.engine.weight_version
-        self.call(self.engine.update_weights, self.weights)
-        assert self.engine.weight_version == version + 1
+    def start_fresh_engine(self) -> None:
+        self.check_every_request_ended()
+        self.start_engine(self.when_asleep)
 
-    @precondition(lambda self: self.expected is not S.STOPPED)
-    @rule()
-    def stop(self) -> None:
-        self.portal.call(self._stop)
-        self.run_future.result(timeout=BOUND)
-        self.expected = S.STOPPED
-        self.uninterrupted.clear()
+    @precondition(lambda self: self.model.alive)
+    @rule(grace=st.sampled_from([0.0, BOUND / 3]), busy=st.booleans())
+    def stop(self, grace: float, busy: bool = False) -> None:
+        self.busy(busy)
+        held = [r for r in self.live() if r.held]
 
-    async def _stop(self) -> None:
-        self.engine.stop()
+        def stop_now() -> tuple[set[str], set[str]]:
+            live = self.d.live_ids()
+            self.d.engine.stop(grace)
+            return live, self.d.live_ids()
+
+        live, after = self.d.run_sync(stop_now)
+        still_held = [r.request_id for r in held if r.request_id in after]
+        assert not still_held, f"held requests outlived stop(): {still_held}"
+        for req in self.requests_in(live):
+            if req.held or grace == 0 or self.model.sleeping:
+                req.may_end("abort")
+            else:
+                req.must_end = True  # they finish well within the grace
+        assert self.d.run_future.result(timeout=BOUND) is None
+        self.model.state = S.STOPPED
+
+    # -- faults ---------------------------------------------------------------------
+
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule(pick=st.integers(0, 255))
+    def cache_error(self, pick: int) -> None:
+        """One request's cache is not ready in the next few steps; a sibling shares them."""
+        victim = self.pick(pick) if self.d.requests else None
+        if victim is None or victim.request_id not in self.d.live_ids():
+            victim = self.admit(pick % len(PROMPTS), MAX_TOKENS)
+        self.admit((pick + 1) % len(PROMPTS), MAX_TOKENS)  # must end undisturbed
+        assert victim is not None
+        faults, request_id = self.d.faults, victim.request_id
+
+        def arm() -> None:
+            for step in range(faults.num_steps + 1, faults.num_steps + 4):
+                faults.cache_not_ready_at.setdefault(step, set()).add(request_id)
+
+        self.d.run_sync(arm)
+        victim.may_end("error", CACHE_ERROR, now=False)  # if it runs in those steps
+
+    @precondition(lambda self: self.model.state is S.RUNNING and self.num_deaths < 2)
+    @rule(kind=st.sampled_from(["raise", "hang"]))
+    def step_fault(self, kind: str) -> None:
+        self.num_deaths += 1
+        faults, boom = self.d.faults, Boom("injected")
+
+        def arm() -> None:
+            if kind == "raise":
+                faults.raise_at[faults.num_steps + 1] = boom
+            else:
+                faults.hang_at.add(faults.num_steps + 1)
+
+        self.d.run_sync(arm)
+        self.admit(0, MAX_TOKENS)
+        for req in self.d.requests:
+            if not req.checked:  # even if its consumer has already seen the error
+                req.may_end("error", DEATH_ERROR)
+        late = self.d.wait_ended(self.live())  # every request ends at the fault, not later
+        faults.release()
+        assert not late, f"requests not ended by the engine's death: {late}"
+        dead = self.d.run_future.exception(timeout=BOUND)
+        assert isinstance(dead, EngineDeadError), dead
+        if kind == "raise":
+            assert dead.__cause__ is boom
+        else:
+            assert isinstance(dead.__cause__, TimeoutError), dead.__cause__
+        self.model.state = S.DEAD
+        self.check_engine()
+        self.admit(0, 1)  # refused: EngineDeadError
+        self.check_every_request_ended()
+        self.start_engine(self.when_asleep)
 
     # -- invariants -----------------------------------------------------------------
 
     @invariant()
-    def state_is_the_expected_one(self) -> None:
-        assert self.engine.state is self.expected, (self.engine.state, self.expected)
-        assert set(self.engine.sleeping_tags) == (
-            self.sleeping if self.expected is S.SLEEPING else set()
-        )
+    def engine_agrees_with_model(self) -> None:
+        if self.driver is not None:
+            self.check_engine()
 
-    @invariant()
-    def at_most_one_terminal_chunk_and_it_is_last(self) -> None:
-        for consumer, *_ in self.consumers:
-            reasons = [c.finish_reason for c in list(consumer.chunks)]
-            finished = [i for i, r in enumerate(reasons) if r is not None]
-            assert finished in ([], [len(reasons) - 1]), reasons
+    def check_engine(self) -> None:
+        model, d = self.model, self.d
 
-    @invariant()
-    def idle_means_every_block_is_free(self) -> None:
-        tracker = self.engine._loop.tracker
-        if tracker is not None and len(tracker) == 0 and self.expected is not S.SLEEPING:
-            stats = self.engine.stats()
-            assert stats.num_free_blocks == stats.num_total_blocks, stats
+        kv_alive = not model.alive or "kv_cache" not in model.sleeping
+
+        def snapshot() -> dict[str, Any]:
+            engine = d.engine
+            memory = list(engine.memory_stats().values())
+            return {
+                "state": engine.state,
+                "tags": set(engine.sleeping_tags),
+                "is_sleeping": engine.is_sleeping,
+                "version": engine.weight_version,
+                "weights": any(m.weights_bytes for m in memory),
+                "kv_cache": any(m.kv_cache_bytes for m in memory),
+                "host": any(m.host_weights_bytes for m in memory),
+                "problems": d.blocks_problems(kv_cache_resident=kv_alive) + d.counter_problems(),
+            }
+
+        snap = d.run_sync(snapshot)
+        assert snap["state"] is model.state, (snap["state"], model.state)
+        tags = model.sleeping if model.alive else set()
+        assert snap["tags"] == tags and snap["is_sleeping"] == bool(tags), (snap, tags)
+        assert snap["version"] == model.version, (snap["version"], model.version)
+        memory = (snap["weights"], snap["kv_cache"], snap["host"])
+        assert memory == model.memory(), (memory, model.memory(), model)
+        assert not snap["problems"], snap["problems"]
+        due = [r for r in d.requests if r.must_end and not r.done.is_set()]
+        late = d.wait_ended(due)
+        assert not late, f"requests a call ended got no terminal chunk: {late}"
+        self.check_ended_requests()
+
+    def check_ended_requests(self) -> None:
+        for req in self.d.requests:
+            if req.done.is_set() and not req.checked:
+                check_outcome(req, self.reference, self.model.version)
+                req.checked = True
+
+    def check_every_request_ended(self) -> None:
+        late = self.d.wait_ended(self.d.requests)
+        assert not late, f"requests that never ended: {late}"
+        self.check_ended_requests()
 
     def teardown(self) -> None:
         try:
-            if self.expected is not S.STOPPED:
-                if self.expected is S.SLEEPING:
-                    self.call(self.engine.wakeup, ["weights", "kv_cache"])
-                if self.engine.state is S.PAUSED:
-                    self.call(self.engine.resume)
-                self.portal.call(self._drain_then_stop)
-                self.run_future.result(timeout=BOUND)
-            for consumer, *_ in self.consumers:
-                self.call(consumer.done.wait)  # every request ended: no hang
-            self.check_uninterrupted_outputs()
-            assert self.engine.state is S.STOPPED
+            if self.driver is not None:
+                self.finish_gracefully()
         finally:
+            if self.driver is not None:
+                self.driver.faults.release()
+                if not self.driver.run_future.done():
+                    self.portal.call(self.driver.engine.stop)
+                    self.driver.run_future.exception(timeout=BOUND)
+            self.portal.call(self.tg.cancel_scope.cancel)
+            self.host.result(timeout=BOUND)
             self._portal_cm.__exit__(None, None, None)
         assert engine_threads() == []
 
-    async def _drain_then_stop(self) -> None:
-        with anyio.fail_after(BOUND):
-            for consumer, *_ in self.consumers:
-                await consumer.done.wait()
-        self.engine.stop()
+    def finish_gracefully(self) -> None:
+        """Let every held and frozen request run to its natural end, then stop."""
+        if self.model.alive:
+            if self.model.state is S.SLEEPING:
+                self.wakeup(["weights", "kv_cache"])
+            if self.model.state is S.PAUSED:
+                self.resume()
+            for req in self.live():
+                req.must_end = True
+            self.check_engine()
+            self.stop(0.0)
+        self.check_every_request_ended()
+        self.check_engine()
 
-    def check_uninterrupted_outputs(self) -> None:
-        reference = reference_tokens(str(self.model_dir), self.backend)
-        for index in self.uninterrupted:
-            consumer, prompt, max_tokens, _ = self.consumers[index]
-            if consumer.chunks and consumer.chunks[-1].finish_reason == "length":
-                assert tokens_of(consumer.chunks) == reference[(prompt, max_tokens)]
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tiny Llama with other random weights: the ``update_weights`` payload."""
+    from model_factory import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-b"), arch="llama", seed=1)
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_lifecycle_state_machine(backend: str, tiny_llama_dir: Path) -> None:
+def test_lifecycle_state_machine(
+    backend: str, tiny_llama_dir: Path, tiny_llama_dir_b: Path
+) -> None:
     machine = type(
-        "Machine", (LifecycleMachine,), {"model_dir": tiny_llama_dir, "backend": backend}
+        "Machine",
+        (LifecycleMachine,),
+        {"dir_a": tiny_llama_dir, "dir_b": tiny_llama_dir_b, "backend": backend},
     )
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=20,
-            stateful_step_count=25,
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
             deadline=None,
+            derandomize=DERANDOMIZE,
+            database=None if DERANDOMIZE else settings.default.database,
             suppress_health_check=list(HealthCheck),
             # shrinking restarts an engine per attempt: minutes; CI reports the raw example
             phases=[Phase.explicit, Phase.reuse, Phase.generate]

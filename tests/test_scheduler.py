@@ -183,6 +183,20 @@ def test_prefix_hit_at_admission_skips_computed_blocks() -> None:
     assert b.block_table[:2] == a.block_table[:2]
 
 
+def test_a_failed_step_computes_nothing_and_caches_no_prefix() -> None:
+    scheduler = make_scheduler(num_blocks=8)
+    a = make_seq("a", 9)
+    scheduler.add(a)
+    batch = scheduler.schedule()
+    scheduler.update_after_step(batch, failed={"a"})
+    assert a.num_computed_tokens == 0 and a.block_hashes == []
+    scheduler.finish(a)
+    b = make_seq("b", 9)  # the same tokens: nothing to hit
+    scheduler.add(b)
+    scheduler.schedule()
+    assert b.num_cached_tokens == 0
+
+
 def test_abort_frees_blocks_and_is_idempotent() -> None:
     scheduler = make_scheduler(num_blocks=8)
     a, b = make_seq("a", 9), make_seq("b", 5)

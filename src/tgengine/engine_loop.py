@@ -141,7 +141,7 @@ class EngineLoop:
         self.num_steps += 1
         self.num_preemptions += len(batch.preempted)
         self.last_step_time = anyio.current_time()
-        self.scheduler.update_after_step(batch)
+        self.scheduler.update_after_step(batch, failed=result.errors.keys())
         for hook in self.step_hooks:
             hook(batch.num_batched_tokens)
         self.tracker.publish(batch.seqs, result, self._weight_version())

@@ -7,6 +7,7 @@ Plain Python: no torch, no anyio. One step is ``schedule()`` → the model compu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -135,13 +136,14 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         return batch
 
-    def update_after_step(self, batch: ScheduledBatch) -> None:
+    def update_after_step(self, batch: ScheduledBatch, failed: Collection[str] = ()) -> None:
         """Count the batch's tokens as computed; register newly full blocks for prefix hits.
 
-        Sequences finished (aborted) while the step ran are skipped.
+        Sequences finished (aborted) while the step ran are skipped, and so are the ``failed``
+        ones (ids whose step did not compute their KV): their blocks must never be hit.
         """
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in failed:
                 continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.mark_computed(seq)

@@ -47,17 +47,22 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=run)
 
 
+def configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
+    """The engine's configuration and the request's parameters, from the parsed options."""
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    return engine_config(args), params
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-        config = engine_config(args)
+        config, params = configs(args)
         anyio.run(partial(_generate, config, args, params), backend=args.backend)
     except TGEngineError as exc:
         return fail(exc)

@@ -122,21 +122,27 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=run)
 
 
+def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's configuration, from the parsed options."""
+    config = engine_config(args, max_num_seqs=args.max_num_seqs, when_asleep=args.when_asleep)
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        max_body_bytes=args.max_body_bytes,
+        health_stall_seconds=args.health_stall_seconds,
+        tool_call_parser=args.tool_call_parser,
+        protect_metrics=args.protect_metrics,
+        metrics_prefix=args.metrics_prefix,
+    )
+    return config, server_config
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        config = engine_config(args, max_num_seqs=args.max_num_seqs, when_asleep=args.when_asleep)
-        server_config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            served_model_name=args.served_model_name,
-            api_key=args.api_key or None,
-            admin_key=args.admin_key or None,
-            max_body_bytes=args.max_body_bytes,
-            health_stall_seconds=args.health_stall_seconds,
-            tool_call_parser=args.tool_call_parser,
-            protect_metrics=args.protect_metrics,
-            metrics_prefix=args.metrics_prefix,
-        )
+        config, server_config = configs(args)
         make_engine = partial(_engine, config, args)
         serve = partial(_serve, make_engine, server_config, args.shutdown_grace)
         anyio.run(serve, backend=args.backend)

@@ -1,0 +1,234 @@
+"""The lifecycle machine's model: what the engine's state must be, and how each request must end.
+
+Plain Python, no engine: ``EngineModel`` follows the control calls (DESIGN.md §2, §4) and
+``RequestModel`` holds, for one request, every outcome the calls applied while it lived allow.
+``check_outcome`` compares what a consumer saw (and what the engine recorded) with that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tgengine import (
+    EngineDeadError,
+    EnginePausedError,
+    EngineSleepingError,
+    EngineState,
+    EngineStoppedError,
+    IllegalStateError,
+)
+
+S = EngineState
+TAGS = frozenset({"weights", "kv_cache"})
+NATURAL = frozenset({"length", "stop"})
+CACHE_ERROR = "cache not ready"
+DEATH_ERROR = "engine died"
+
+
+@dataclass
+class EngineModel:
+    """The state one engine must be in, from the calls the machine made."""
+
+    when_asleep: str
+    state: EngineState = S.RUNNING
+    pause_mode: str | None = None
+    resume_to: EngineState = S.RUNNING
+    sleeping: set[str] = field(default_factory=set)
+    weights: str = "A"  # the weight set resident (or offloaded): "A" on disk, "B" pushed
+    host_copy: bool = False  # level-1 sleep keeps the weights in host memory
+    version: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in (S.STOPPED, S.DEAD)
+
+    @property
+    def can_step(self) -> bool:
+        return self.state in (S.RUNNING, S.STOPPING) and not self.sleeping
+
+    def admission_error(self) -> type[Exception] | None:
+        """The error ``generate`` must raise now; None when it must admit."""
+        if self.state in (S.STOPPING, S.STOPPED):
+            return EngineStoppedError
+        if self.state is S.DEAD:
+            return EngineDeadError
+        if self.state is S.SLEEPING and self.when_asleep == "reject":
+            return EngineSleepingError
+        if self.state is S.PAUSED and self.pause_mode == "abort":
+            return EnginePausedError
+        return None
+
+    def holds_new_requests(self) -> bool:
+        return self.state is not S.RUNNING
+
+    # Each control method returns the error the call must raise (None: it must succeed)
+    # and updates the model as the call must update the engine.
+
+    def pause(self, mode: str) -> type[Exception] | None:
+        if self.state is S.SLEEPING:
+            return None
+        if self.state not in (S.RUNNING, S.PAUSED):
+            return IllegalStateError
+        self._enter_pause(mode)
+        return None
+
+    def _enter_pause(self, mode: str) -> None:
+        if self.state is S.RUNNING or mode == "abort":
+            self.pause_mode = mode
+        self.state = S.PAUSED
+
+    def resume(self) -> type[Exception] | None:
+        if self.state is S.RUNNING:
+            return None
+        if self.state is not S.PAUSED:
+            return IllegalStateError
+        self.state, self.pause_mode = S.RUNNING, None
+        return None
+
+    def sleep(self, level: int, mode: str) -> type[Exception] | None:
+        if self.state in (S.RUNNING, S.PAUSED):
+            self.resume_to = self.state
+            self._enter_pause(mode)
+        elif self.state is not S.SLEEPING:
+            return IllegalStateError
+        if "weights" not in self.sleeping:
+            self.host_copy = level == 1
+        elif level == 2:
+            self.host_copy = False
+        self.sleeping = set(TAGS)
+        self.state = S.SLEEPING
+        return None
+
+    def wakeup(self, tags: list[str]) -> type[Exception] | None:
+        if self.state in (S.RUNNING, S.PAUSED):
+            return None
+        if self.state is not S.SLEEPING:
+            return IllegalStateError
+        if "weights" in tags and "weights" in self.sleeping and not self.host_copy:
+            self.weights, self.version = "A", self.version + 1  # reloaded from disk
+        if "weights" in tags:
+            self.host_copy = False
+        self.sleeping -= set(tags)
+        if not self.sleeping:
+            self.state = self.resume_to
+            if self.state is S.RUNNING:
+                self.pause_mode = None
+        return None
+
+    def update_weights(self, weights: str | None) -> type[Exception] | None:
+        """``weights=None``: an invalid set, refused whole."""
+        if self.state not in (S.RUNNING, S.PAUSED, S.SLEEPING):
+            return IllegalStateError
+        if "weights" in self.sleeping:
+            return EngineSleepingError
+        if weights is None:
+            return ValueError  # InvalidRequestError
+        self.weights, self.version = weights, self.version + 1
+        return None
+
+    def memory(self) -> tuple[bool, bool, bool]:
+        """Whether weights, KV cache and a host copy of the weights must hold bytes now."""
+        if not self.alive:
+            return False, False, False
+        weights = "weights" not in self.sleeping
+        return weights, "kv_cache" not in self.sleeping, not weights and self.host_copy
+
+
+@dataclass(eq=False)
+class RequestModel:
+    """One request the machine started, and every way it may still end."""
+
+    request_id: str
+    engine_no: int
+    prompt: int
+    max_tokens: int
+    stop_token: int | None
+    weights: str | None  # the weight set its tokens come from; None once they changed under it
+    break_after: int | None
+    held: bool
+    allowed: set[str] = field(default_factory=set)
+    error_kinds: set[str] = field(default_factory=set)
+    must_end: bool = False  # a call ended it: its terminal chunk is due now
+    chunks: list[Any] = field(default_factory=list)
+    done: Any = None  # anyio.Event, set when the consumer returned
+    scope: Any = None  # the consumer's CancelScope
+    broke: bool = False
+    cancelled: bool = False
+    gone_at_once: bool | None = None  # whether the engine had let go when the consumer did
+    engine_reason: str | None = None  # what the engine recorded (its finish hook)
+    checked: bool = False
+
+    def __post_init__(self) -> None:
+        self.allowed |= self.natural_reasons()
+
+    def natural_reasons(self) -> set[str]:
+        return {"length", "stop"} if self.stop_token is not None else {"length"}
+
+    def may_end(self, reason: str, error_kind: str | None = None, *, now: bool = True) -> None:
+        self.allowed.add(reason)
+        if error_kind is not None:
+            self.error_kinds.add(error_kind)
+        self.must_end = self.must_end or now
+
+    def weights_changed(self, new: str) -> None:
+        if self.weights is not None and self.weights != new:
+            self.weights = None
+
+    def natural_tokens(self, reference: dict[str, dict[int, list[int]]]) -> list[int] | None:
+        """The tokens an undisturbed run yields; None when the weights changed under it."""
+        if self.weights is None:
+            return None
+        tokens = reference[self.weights][self.prompt][: self.max_tokens]
+        if self.stop_token is not None and self.stop_token in tokens:
+            tokens = tokens[: tokens.index(self.stop_token) + 1]
+        return tokens
+
+
+def check_outcome(
+    req: RequestModel, reference: dict[str, dict[int, list[int]]], version: int
+) -> None:
+    """Assert that ``req``, which has ended, ended in a way its model allows."""
+    chunks = req.chunks
+    tokens = [t for c in chunks for t in c.token_ids]
+    reasons = [c.finish_reason for c in chunks]
+    natural = req.natural_tokens(reference)
+    where = (
+        f"{req.request_id} (allowed {sorted(req.allowed)}, errors {sorted(req.error_kinds)}, "
+        f"weights {req.weights}, prompt {req.prompt}, max_tokens {req.max_tokens}, "
+        f"stop {req.stop_token}, tokens {tokens}, reasons {reasons}, engine {req.engine_reason})"
+    )
+    assert all(c.request_id == req.request_id for c in chunks), where
+    versions = [c.weight_version for c in chunks]
+    assert versions == sorted(versions) and all(v <= version for v in versions), (where, versions)
+    assert req.engine_reason in req.allowed, (where, req.engine_reason)
+    if req.broke or req.cancelled:
+        assert req.gone_at_once, f"{where}: the engine still held it after its consumer left"
+        assert all(r is None for r in reasons), (where, reasons)
+        if natural is not None:
+            assert tokens == natural[: len(tokens)], (where, natural)
+        return
+    assert chunks, f"{where}: no chunk at all"
+    last = chunks[-1]
+    assert reasons[:-1] == [None] * (len(chunks) - 1), (where, reasons)
+    assert all(len(c.token_ids) == 1 for c in chunks[:-1]), where
+    assert last.finish_reason == req.engine_reason, (where, last.finish_reason, req.engine_reason)
+    if last.finish_reason in NATURAL:
+        assert len(last.token_ids) == 1, where
+        if natural is not None:
+            assert tokens == natural, (where, tokens, natural)
+            want = "stop" if natural[-1] == req.stop_token else "length"
+            assert last.finish_reason == want, (where, last.finish_reason, want)
+        elif last.finish_reason == "length":
+            assert len(tokens) == req.max_tokens, where
+        else:
+            assert tokens[-1] == req.stop_token, where
+        return
+    assert last.token_ids == [], (where, last)
+    if natural is not None:
+        assert len(tokens) < len(natural) and tokens == natural[: len(tokens)], (where, natural)
+    if last.finish_reason == "error":
+        text = (last.error or "").lower()
+        assert any(kind in text for kind in req.error_kinds), (where, last.error)
+    else:
+        assert last.error is None, where
