@@ -121,6 +121,22 @@ async def test_required_and_named_choices_are_enforced(tool_model_dir: Path) -> 
                 )
                 named_choice: Any = {"type": "function", "function": {"name": "get_weather"}}
                 named = await ask(client, tools=TOOLS, tool_choice=named_choice, **sampled)
+                stream = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=CHAT,
+                    tools=TOOLS,
+                    tool_choice=named_choice,
+                    n=2,
+                    stream=True,
+                    **sampled,
+                )
+                ids = {
+                    (choice.index, delta.id)
+                    async for chunk in stream
+                    for choice in chunk.choices
+                    for delta in choice.delta.tool_calls or []
+                    if delta.id
+                }
     for whole, streamed in (required, single):
         assert whole.finish_reason == streamed["reason"] == "tool_calls"
         assert whole.message.content is None and streamed["content"] == ""
@@ -135,6 +151,7 @@ async def test_required_and_named_choices_are_enforced(tool_model_dir: Path) -> 
     check_calls(whole_calls(whole))
     check_calls(streamed["calls"])
     assert len(streamed["calls"]) == 1
+    assert {index for index, _ in ids} == {0, 1} and len({i for _, i in ids}) == 2
 
 
 @pytest.mark.parametrize(

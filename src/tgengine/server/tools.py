@@ -234,7 +234,6 @@ class NamedToolOutput:
     def __init__(self, name: str) -> None:
         self.name = name
         self.made_calls = False
-        self._id = new_call_id()
 
     def whole(self, text: str) -> ToolAnswer:
         self.made_calls = True
@@ -245,7 +244,7 @@ class NamedToolOutput:
             self.made_calls = True
             head = ToolCallDelta(
                 index=0,
-                id=self._id,
+                id=new_call_id(),  # made here: each choice (a copy of this) gets its own
                 type="function",
                 function=FunctionCallDelta(name=self.name, arguments=delta),
             )
