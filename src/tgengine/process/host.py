@@ -19,6 +19,7 @@ import anyio.abc
 from .._faults import FaultInjector
 from ..engine import Engine
 from ..errors import EngineDeadError, TGEngineError
+from ..model_agent import MemoryStats
 from ..request_stats import RequestStats
 from ..stream import RequestStream
 from .errors import portable
@@ -61,6 +62,8 @@ class EngineHost:
         self._parent_pid = os.getppid()
         self._cause: BaseException | None = None
         self._parent_gone = False
+        self._memory: dict[str, MemoryStats] | None = None
+        self._memory_time = 0.0
         engine.observers.append(self)  # the parent's observers hear what this engine does
 
     def request_finished(self, stats: RequestStats) -> None:
@@ -178,7 +181,7 @@ class EngineHost:
                         messages.append(self._outgoing.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                await self._write(Frame(messages, self._snapshot()))
+                await self._write(Frame(messages, self._snapshot(messages)))
 
     async def _write(self, frame: Frame) -> None:
         if self._parent_gone:
@@ -188,8 +191,17 @@ class EngineHost:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             self._orphaned()
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot(self, messages: list[Any]) -> Snapshot:
         engine = self.engine
+        now = anyio.current_time()
+        # memory_stats() reads /proc: at most once per heartbeat, and after every control
+        # call (they are what change memory), not with every step's chunks.
+        if (
+            self._memory is None
+            or now - self._memory_time >= HEARTBEAT
+            or any(isinstance(m, Reply) for m in messages)
+        ):
+            self._memory, self._memory_time = engine.memory_stats(), now
         try:
             engine._check_admission()  # the parent admits on the engine's terms
             refusal = None
@@ -200,9 +212,9 @@ class EngineHost:
             sleeping_tags=engine.sleeping_tags,
             weight_version=engine.weight_version,
             stats=engine.stats(),
-            memory=engine.memory_stats(),
+            memory=self._memory,
             refusal=refusal,
-            clock=anyio.current_time(),
+            clock=now,
         )
 
 
