@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..outputs import FinishReason, RequestOutput
+from ..stream import ChunkStream
 
 
 @dataclass(eq=False)
@@ -56,7 +56,7 @@ class RemoteRequest:
                 self.deliver(chunk)
 
 
-class RemoteStream:
+class RemoteStream(ChunkStream):
     """An async iterator over one admitted request's chunks; ``RequestStream``'s semantics.
 
     Letting go (breaking out of ``async for``, cancellation while waiting, ``aclose()``,
@@ -77,35 +77,6 @@ class RemoteStream:
     @property
     def request_id(self) -> str:
         return self._request.request_id
-
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StopAsyncIteration from None
-        except BaseException:
-            self._let_go()  # cancelled while waiting: nobody will read the rest
-            raise
-
-    async def aclose(self) -> None:
-        self._let_go()
-
-    async def __aenter__(self) -> RemoteStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._let_go()
-
-    def __del__(self) -> None:
-        self._let_go()
 
     def _let_go(self) -> None:
         if not self._request.finished:
