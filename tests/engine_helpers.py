@@ -36,6 +36,13 @@ def _hf_model(model_dir: str):  # type: ignore[no-untyped-def]
 
 def hf_greedy(model_dir: Path | str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers ``generate``, greedy, EOS ignored: the reference tokens."""
+    return hf_greedy_with_margin(model_dir, prompt, max_new_tokens)[0]
+
+
+def hf_greedy_with_margin(
+    model_dir: Path | str, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], float]:
+    """``hf_greedy``'s tokens and the smallest top-1 logit margin along the way."""
     model = _hf_model(str(model_dir))
     input_ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -47,8 +54,11 @@ def hf_greedy(model_dir: Path | str, prompt: list[int], max_new_tokens: int) -> 
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, len(prompt) :].tolist()
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), min(margins)
 
 
 async def collect(

@@ -22,7 +22,15 @@ from tgengine.models.config import MoEConfig
 from tgengine.models.gemm import Gemm
 from tgengine.models.moe import SparseMoE
 
-from engine_helpers import TIMEOUT, generate_all, greedy, make_prompts, tiny_config, tokens_of
+from engine_helpers import (
+    TIMEOUT,
+    generate_all,
+    greedy,
+    hf_greedy_with_margin,
+    make_prompts,
+    tiny_config,
+    tokens_of,
+)
 from model_factory import make_tiny_model_dir, read_config, write_config
 
 LONGROPE_FROM = 64
@@ -60,28 +68,6 @@ def arch_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return make_tiny_model_dir(path, arch=arch, **overrides)
 
 
-def reference_with_margin(model_dir: Path, prompt: list[int]) -> tuple[list[int], float]:
-    """transformers' greedy tokens and the smallest top-1 margin along the way."""
-    from engine_helpers import _hf_model
-
-    model = _hf_model(str(model_dir))
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.logits]
-    return out.sequences[0, len(prompt) :].tolist(), min(margins)
-
-
 def test_forward_matches_transformers(arch_dir: Path) -> None:
     pair = Pair(arch_dir)
     check_prefill_then_decode(pair, [3, 9, 14], num_decodes=3)
@@ -105,7 +91,7 @@ async def test_greedy_tokens_equal_transformers(arch_dir: Path) -> None:
     all_prompts = make_prompts(vocab_size=384)
     expected = []
     for prompt in all_prompts:
-        tokens, margin = reference_with_margin(arch_dir, prompt)
+        tokens, margin = hf_greedy_with_margin(arch_dir, prompt, MAX_TOKENS)
         assert margin > MIN_MARGIN, "the reference's top-1 is not clear; pick another seed"
         expected.append(tokens)
     config = tiny_config(arch_dir, max_num_batched_tokens=16, num_blocks=16)
