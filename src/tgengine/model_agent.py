@@ -155,7 +155,7 @@ class ModelAgent:
                 "reserved_bytes": torch.cuda.memory_reserved(device),
             }
         kv = self._kv.nbytes if self._kv is not None else 0
-        rss, peak = _process_rss()
+        rss, peak = process_rss()
         return {device: MemoryStats(device, weights, kv, host, allocator, rss, peak)}
 
     # -- worker-thread side ---------------------------------------------------------
@@ -351,7 +351,7 @@ class ModelAgent:
         _free_device_memory()
 
 
-def _process_rss() -> tuple[int, int]:
+def process_rss() -> tuple[int, int]:
     """This process's resident set size now and its peak (Linux and macOS report the peak)."""
     import resource
 

@@ -151,9 +151,9 @@ def _cpu_model() -> str:
 
 def rss_bytes() -> int:
     """This process's resident set size."""
-    import psutil
+    from ..model_agent import process_rss
 
-    return int(psutil.Process().memory_info().rss)
+    return process_rss()[0]
 
 
 def max_model_len(config: ModelConfig) -> int:

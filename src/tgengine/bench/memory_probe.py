@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from ..config import EngineConfig
-from ..model_agent import _process_rss
+from ..model_agent import process_rss
 from ..open_engine import open_engine
 from ..sampling import SamplingParams
 
@@ -25,14 +25,14 @@ _PROMPT = list(range(100, 164))
 async def _tgengine(
     model_dir: str, dtype: str, threads: int, tokens: int, kv: int | None
 ) -> dict[str, Any]:
-    base, _ = _process_rss()
+    base, _ = process_rss()
     config = EngineConfig(
         model=model_dir, dtype=dtype, device="cpu", num_threads=threads, kv_cache_memory=kv
     )
     started = time.perf_counter()
     async with open_engine(config) as engine:
         load_s = time.perf_counter() - started
-        _, load_peak = _process_rss()
+        _, load_peak = process_rss()
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         begin = time.perf_counter()
         async with anyio.create_task_group() as tg:
@@ -45,7 +45,7 @@ async def _tgengine(
             first = first or time.perf_counter()
         decode_tps = (tokens - 1) / (time.perf_counter() - (first or begin))
         stats = next(iter(engine.memory_stats().values()))
-        steady, peak = _process_rss()
+        steady, peak = process_rss()
     return {
         "system": "tgengine",
         "base_rss_bytes": base,
@@ -69,11 +69,11 @@ def _transformers(model_dir: str, dtype: str, threads: int, tokens: int) -> dict
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    base, _ = _process_rss()
+    base, _ = process_rss()
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     load_s = time.perf_counter() - started
-    _, load_peak = _process_rss()
+    _, load_peak = process_rss()
     kwargs = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False}
     with torch.inference_mode():
         batch = torch.tensor([[*_PROMPT, i] for i in range(_BATCH)])
@@ -84,7 +84,7 @@ def _transformers(model_dir: str, dtype: str, threads: int, tokens: int) -> dict
         begin = time.perf_counter()
         model.generate(one, attention_mask=torch.ones_like(one), **kwargs)
         decode_tps = tokens / (time.perf_counter() - begin)
-    steady, peak = _process_rss()
+    steady, peak = process_rss()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "system": "transformers",
