@@ -18,7 +18,7 @@ import torch
 
 from ._faults import FaultInjector
 from .config import EngineConfig
-from .cpu_threads import default_thread_count
+from .cpu_threads import available_cores, default_thread_count
 from .errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
 from .logits_processors import default_processors
 from .model_inputs import prepare_inputs
@@ -35,6 +35,7 @@ from .models import (
     weight_specs,
 )
 from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
+from .parallel import ParallelContext
 from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
 from .step_sampler import sample_step
@@ -83,9 +84,15 @@ class ModelAgent:
     weights and the KV cache are resident — is checked in one place, ``_forward``.
     """
 
-    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        faults: FaultInjector | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         self.config = config
         self._faults = faults
+        self.parallel = parallel or ParallelContext()
         self._model: CausalLM | None = None
         self._kv: KVCache | None = None
         self._host_weights: dict[str, torch.Tensor] | None = None
@@ -136,7 +143,16 @@ class ModelAgent:
         """Make ``tag`` resident again; True when the weights were reloaded from disk."""
         return await self._in_thread(self._wakeup, tag)
 
+    async def check_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise ``InvalidRequestError`` unless ``named`` fits: names, full shapes, dtypes.
+
+        Changes nothing. With tensor parallelism the executor checks every rank first and
+        calls ``update_weights`` only once all of them passed.
+        """
+        await self._in_thread(self._check_weights, named)
+
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Check ``named`` (full tensors), then copy them in (this rank's shard of each)."""
         await self._in_thread(self._update_weights, named)
 
     def memory_stats(self) -> dict[str, MemoryStats]:
@@ -169,9 +185,9 @@ class ModelAgent:
         cfg = self.config
         model_config = load_model_config(cfg.model)
         dtype = resolve_dtype(cfg.dtype, model_config)
-        device = _pick_device(cfg.device)
+        device = _pick_device(cfg.device, self.parallel)
         if cfg.num_threads or device.type == "cpu":
-            torch.set_num_threads(cfg.num_threads or default_thread_count(dtype))
+            torch.set_num_threads(cfg.num_threads or self._default_threads(dtype))
         if device.type == "cpu":
             kernels.load()  # built once per machine; at start-up, not in the first step
         self._model = load_model(model_config, cfg.model, dtype, device)
@@ -193,6 +209,11 @@ class ModelAgent:
             max_model_len=min(max_len, num_blocks * cfg.block_size),
         )
         return self._info
+
+    def _default_threads(self, dtype: torch.dtype) -> int:
+        if self.parallel.is_parallel:  # the ranks share this machine's cores
+            return max(1, available_cores() // self.parallel.world_size)
+        return default_thread_count(dtype)
 
     def _plan_num_blocks(
         self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int
@@ -222,12 +243,15 @@ class ModelAgent:
             for seq_id in batch.finished_ids:
                 self._generators.pop(seq_id, None)
             result = StepResult()
+            problems = [self._cache_problem(seq, step) for seq in batch.seqs]
+            # Every rank runs the same forward: a problem on any rank is every rank's.
+            agreed = self.parallel.agree_any([p is not None for p in problems])
             ready = []
-            for seq in batch.seqs:
-                problem = self._cache_problem(seq, step)
-                if problem is None:
+            for seq, problem, bad in zip(batch.seqs, problems, agreed, strict=True):
+                if not bad:
                     ready.append(seq)
                 else:
+                    problem = problem or "the KV cache is not ready on another rank"
                     result.errors[seq.seq_id] = str(CacheNotReadyError(seq.seq_id, problem))
             if ready:
                 self._forward(ready, result)
@@ -256,7 +280,8 @@ class ModelAgent:
         with torch.inference_mode():
             inputs = prepare_inputs(seqs, self._kv.block_size, device)
             logits = self._model(inputs, self._kv)
-            sample_step(logits, seqs, self._sampler, self._generator, result)
+            if self.parallel.is_driver:  # the other ranks' tokens would be ignored
+                sample_step(logits, seqs, self._sampler, self._generator, result)
 
     def _generator(self, seq: SeqStep) -> torch.Generator | None:
         if seq.params is None or seq.params.seed is None:
@@ -324,6 +349,14 @@ class ModelAgent:
         Names and shapes are strict. A tied model's ``lm_head.weight`` (the embedding under
         another name) is skipped; floating tensors of another dtype are cast.
         """
+        named = self._check_weights(named)
+        assert self._model is not None  # _check_weights raised otherwise
+        copy_weights(self._model, named)  # copy_ casts to each parameter's dtype
+
+    def _check_weights(
+        self, named: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """``named`` without what is skipped, once every tensor passed the checks."""
         if self._model is None or not self._weights_resident:
             raise RuntimeError("update_weights while the weights are not resident")
         tied = self._model.lm_head is None
@@ -340,7 +373,7 @@ class ModelAgent:
                 tensor.is_floating_point() and dtype.is_floating_point
             ):
                 raise InvalidRequestError("weights", f"{name}: dtype {tensor.dtype} != {dtype}")
-        copy_weights(self._model, named)  # copy_ casts to each parameter's dtype
+        return named
 
     def _release_all(self) -> None:
         self._kv = None
@@ -369,10 +402,14 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _pick_device(device: str) -> torch.device:
+def _pick_device(device: str, parallel: ParallelContext) -> torch.device:
+    """The device asked for; with tensor parallelism a bare "cuda" is ``cuda:{rank}``."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    picked = torch.device(device)
+    if picked.type == "cuda" and picked.index is None and parallel.is_parallel:
+        return torch.device("cuda", parallel.rank)
+    return picked
 
 
 def _free_device_memory() -> None:
