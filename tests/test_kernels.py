@@ -1,4 +1,4 @@
-"""The compiled paged-attention kernel gives the torch path's results on the paged cache."""
+"""The compiled kernels give the torch paths' results: paged attention, half-precision linear."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention
@@ -70,7 +71,7 @@ def test_kernel_matches_the_torch_path(
 def test_kernel_is_built_once_and_cached() -> None:
     library = kernels.load()
     assert library is not None
-    assert library._name in {str(p) for p in kernels.cache_dir().glob("paged_attention-*.so")}
+    assert library._name in {str(p) for p in kernels.cache_dir().glob("tgengine-kernels-*.so")}
     assert kernels.load() is library
 
 
@@ -84,3 +85,41 @@ def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.undo()
         kernels.load.cache_clear()
     assert kernels.load() is not None
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for half_linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (97, 64), (50, 1536), (7, 20)])
+def test_half_linear_matches_the_float32_product(dtype: torch.dtype, n: int, k: int) -> None:
+    # Widened in registers and summed in float32: the float32 product of the half-precision
+    # values, rounded once (the summation order differs, so only the last bit may).
+    torch.manual_seed(0)
+    weight = torch.randn(n, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    for rows in (1, 2, 3, 4, 5, 8):  # every tile height (4, 2, 1) and their tails
+        x = torch.randn(rows, k).to(dtype)
+        for b in (None, bias):
+            want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            got = kernels.half_linear(x, weight, b)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=0.02, rtol=0.01)
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for half_linear")
+def test_gemm_takes_the_half_kernel_for_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tgengine.models import gemm as gemm_module
+
+    calls: list[int] = []
+    real = kernels.half_linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(kernels, "half_linear", spy)
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    gemm = gemm_module.Gemm()
+    for rows in (1, gemm_module.HALF_KERNEL_MAX_ROWS, gemm_module.HALF_KERNEL_MAX_ROWS + 1):
+        gemm.linear(torch.randn(rows, 64).to(torch.bfloat16), weight)
+    gemm.linear(torch.randn(1, 64), weight.float())  # float32: oneDNN's
+    assert calls == [1, gemm_module.HALF_KERNEL_MAX_ROWS]

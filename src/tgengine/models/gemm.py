@@ -9,12 +9,14 @@ blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
   names, shapes and dtypes, over a one-element placeholder). Every row count runs on it.
   ``Gemm.unpack`` gives the plain form back, exactly (``to_dense``), before anything writes
   into the parameters.
-- **plain**: the parameters themselves. One or two rows in bf16/fp16 (batch-1 decode) use
-  ATen's GEMV (oneDNN reorders the weight on every call, which dominates a one-row
-  product). More rows in bf16/fp16 on a CPU without native half-precision products (AVX2 and
-  older: oneDNN's products there run 3-8x slower than float32) widen the weight to float32 a
-  slice of rows at a time (``UPCAST_CHUNK`` elements: a transient buffer, never a second
-  resident copy). Everything else: ``F.linear``.
+- **plain**: the parameters themselves. Up to ``HALF_KERNEL_MAX_ROWS`` rows in bf16/fp16
+  (decode of a few sequences) run tgengine's own kernel (``kernels.half_linear``: the weight
+  widened to float32 in registers, one pass over it for every 4 rows; 2.5-4x ATen's GEMV
+  here). Without it, one or two rows use ATen's GEMV (oneDNN reorders the weight on every
+  call, which dominates a one-row product). More rows in bf16/fp16 on a CPU without native
+  half-precision products (AVX2 and older: oneDNN's products there run 3-8x slower than
+  float32) widen the weight to float32 a slice of rows at a time (``UPCAST_CHUNK`` elements:
+  a transient buffer, never a second resident copy). Everything else: ``F.linear``.
 
 All paths compute the same products; only the kernels differ.
 """
@@ -27,9 +29,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tgengine.models import kernels
 from tgengine.models.fused import fused_rows
 
 GEMV_MAX_ROWS = 2
+HALF_KERNEL_MAX_ROWS = 8  # measured: above it, widening a slice and oneDNN's sgemm win
 UPCAST_CHUNK = 512 * 1024  # weight elements widened at once: 2 MiB of float32, near the L2
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -103,6 +107,13 @@ class Gemm:
             weight = weight.plain()
         if x.device.type != "cpu" or x.dtype not in _HALF or not torch.backends.mkldnn.enabled:
             return F.linear(x, weight, bias)
+        if (
+            x.dim() == 2
+            and x.shape[0] <= HALF_KERNEL_MAX_ROWS
+            and weight.dtype == x.dtype
+            and kernels.has_half_linear()
+        ):
+            return kernels.half_linear(x, weight, bias)
         if x.shape[0] <= GEMV_MAX_ROWS:
             # A process-wide switch: the one thread that runs forwards holds it for one GEMV.
             torch.backends.mkldnn.enabled = False  # type: ignore[assignment]

@@ -1,11 +1,13 @@
 """CPU kernels tgengine compiles itself, once per machine, with a plain-torch fallback.
 
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
-``paged_attention.cpp``). The library is built on first use with the system's C++ compiler
-(``g++ -O3 -march=native -fopenmp``, about 4 s of CPU) into ``$TGENGINE_CACHE`` (default
-``~/.cache/tgengine``) ``/kernels/``, keyed by the source, the compiler and the CPU's flags, so
-a warm start only loads it. Without a compiler, or with ``TGENGINE_KERNELS=0`` in the
-environment, ``load()`` returns None and the callers take their torch path (same results).
+``paged_attention.cpp``); ``half_linear`` runs few-row linear products on bf16/fp16 weights,
+widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C). The library is
+built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
+seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
+by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
+compiler, or with ``TGENGINE_KERNELS=0`` in the environment, ``load()`` returns None and the
+callers take their torch paths (same results).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "half_linear.cpp"))
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -65,29 +67,34 @@ def load() -> ctypes.CDLL | None:
         library = _build(compiler)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("cannot build the paged-attention kernel (%s): using the torch path", exc)
+        log.warning("cannot build tgengine's CPU kernels (%s): using the torch paths", exc)
         return None
     fn = lib.tg_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
+    fn = lib.tg_half_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    lib.tg_half_linear_available.restype = ctypes.c_int
     return lib
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source)
+    key = hashlib.sha256()
+    for source in _SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
     key.update(_cpu_flags().encode())
-    library = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the paged-attention kernel once into %s", library.parent)
+    log.info("compiling tgengine's CPU kernels once into %s", library.parent)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
         subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES)],
             check=True,
             capture_output=True,
             timeout=300,
@@ -165,4 +172,46 @@ def paged_decode(
     )
     if status != 0:
         raise RuntimeError(f"paged-attention kernel refused the shapes (status {status})")
+    return out
+
+
+HALF_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def has_half_linear() -> bool:
+    """Whether ``half_linear`` runs here (the library built, and the CPU has AVX2/FMA/F16C)."""
+    lib = load()
+    return lib is not None and lib.tg_half_linear_available() == 1
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` and contiguous bf16/fp16 CPU tensors.
+
+    Accumulates in float32 and rounds once (the order of the sums differs from oneDNN's). Call
+    it only where ``has_half_linear()``; costs one pass over the weight per call.
+    """
+    lib = load()
+    if lib is None or x.dtype not in HALF_LINEAR_DTYPES or weight.dtype != x.dtype:
+        raise RuntimeError("half_linear called where the kernel does not apply")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype)
+    status = lib.tg_half_linear(
+        _DTYPES[x.dtype],
+        x.data_ptr(),
+        rows,
+        k,
+        weight.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"half-linear kernel refused the shapes (status {status})")
     return out

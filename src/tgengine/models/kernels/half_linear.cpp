@@ -1,0 +1,172 @@
+// Linear products with half-precision weights (bfloat16 or float16) on CPUs without native
+// half-precision products (AVX2 + FMA, and AVX-512 without BF16): out = x @ w.T (+ bias).
+// The weight is read as it is stored and widened to float32 in registers, so nothing is
+// copied, and one pass over the weight serves MR rows of x at once. Compiled with
+// paged_attention.cpp by tgengine.models.kernels; gemm.py's torch paths are the reference.
+//
+// x [m][k] and out [m][n] are in the weight's dtype, w is [n][k] (torch's Linear layout),
+// bias [n] or null. Accumulation is in float32; the output is rounded once, as torch does.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kBf16 = 1;
+constexpr int kF16 = 2;
+
+inline float half_to_float(uint16_t h, int dtype) {
+  if (dtype == kF16) return _cvtsh_ss(h);
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_half(float x, int dtype) {
+  if (dtype == kF16) return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  uint32_t bits;  // bfloat16: round to nearest even, as torch does
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <int Dtype>
+inline __m256 widen8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (Dtype == kF16) {
+    return _mm256_cvtph_ps(h);
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// acc[r][c] = x[r] . w[c] over k (a multiple of 8) for MR rows of x and NR rows of w.
+template <int Dtype, int MR, int NR>
+inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k,
+                 float* sums) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256 wv[NR];
+    for (int c = 0; c < NR; ++c) wv[c] = widen8<Dtype>(w + c * ldw + i);
+    for (int r = 0; r < MR; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) sums[r * NR + c] = hsum(acc[r][c]);
+}
+
+template <int Dtype, int MR, int NR>
+void rows_block(const float* x, int64_t m0, int64_t m1, const uint16_t* w, int64_t n0,
+                int64_t k, const float* bias, uint16_t* out, int64_t n) {
+  float sums[MR * NR];
+  for (int64_t m = m0; m < m1; m += MR) {
+    tile<Dtype, MR, NR>(x + m * k, k, w + n0 * k, k, k, sums);
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NR; ++c) {
+        float v = sums[r * NR + c] + (bias ? bias[n0 + c] : 0.f);
+        out[(m + r) * n + n0 + c] = float_to_half(v, Dtype);
+      }
+  }
+}
+
+// The same as the tiles, one output at a time: for the rows and columns the tiles leave.
+template <int Dtype>
+void scalar_block(const float* x, int64_t m0, int64_t m1, const uint16_t* w, int64_t n0,
+                  int64_t n1, int64_t k, const float* bias, uint16_t* out, int64_t n) {
+  const int64_t k8 = k - k % 8;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t c = n0; c < n1; ++c) {
+      float s = 0.f;
+      if (k8) {
+        float sums[1];
+        tile<Dtype, 1, 1>(x + m * k, k, w + c * k, k, k8, sums);
+        s = sums[0];
+      }
+      for (int64_t i = k8; i < k; ++i) s += x[m * k + i] * half_to_float(w[c * k + i], Dtype);
+      out[m * n + c] = float_to_half(s + (bias ? bias[c] : 0.f), Dtype);
+    }
+}
+
+// Every output column tile of NR weight rows, in parallel; MR = 4, 2, then 1 rows of x.
+template <int Dtype, int NR>
+void tiles(const float* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, const float* b,
+           uint16_t* out, int threads) {
+  const int64_t n_tiles = n / NR;
+  const int64_t m4 = m - m % 4, m2 = m - m % 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t n0 = t * NR;
+    if (m4) rows_block<Dtype, 4, NR>(x, 0, m4, w, n0, k, b, out, n);
+    if (m2 > m4) rows_block<Dtype, 2, NR>(x, m4, m2, w, n0, k, b, out, n);
+    if (m > m2) rows_block<Dtype, 1, NR>(x, m2, m, w, n0, k, b, out, n);
+  }
+  scalar_block<Dtype>(x, 0, m, w, n_tiles * NR, n, k, b, out, n);
+}
+
+template <int Dtype>
+void linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* w, int64_t n,
+            const uint16_t* bias_h, uint16_t* out, int threads) {
+  std::vector<float> x(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) x[i] = half_to_float(xh[i], Dtype);
+  std::vector<float> bias;
+  if (bias_h) {
+    bias.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) bias[i] = half_to_float(bias_h[i], Dtype);
+  }
+  const float* b = bias_h ? bias.data() : nullptr;
+  if (k % 8 != 0) {  // the tiles step k by 8 (hidden sizes are multiples of 8)
+    scalar_block<Dtype>(x.data(), 0, m, w, 0, n, k, b, out, n);
+  } else if (m == 1) {  // memory-bound: more weight rows in flight
+    tiles<Dtype, 4>(x.data(), m, k, w, n, b, out, threads);
+  } else {  // 4 x 3 accumulators + 3 weight vectors + 1 of x: the 16 AVX registers
+    tiles<Dtype, 3>(x.data(), m, k, w, n, b, out, threads);
+  }
+}
+
+}  // namespace
+
+extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, const void* w,
+                              int64_t n, const void* bias, void* out, int threads) {
+  auto xs = static_cast<const uint16_t*>(x);
+  auto ws = static_cast<const uint16_t*>(w);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
+  if (dtype == kBf16) {
+    linear<kBf16>(xs, m, k, ws, n, bs, os, threads);
+  } else if (dtype == kF16) {
+    linear<kF16>(xs, m, k, ws, n, bs, os, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+extern "C" int tg_half_linear_available() { return 1; }
+
+#else  // no AVX2/FMA/F16C: the torch paths run instead
+
+extern "C" int tg_half_linear(int, const void*, int64_t, int64_t, const void*, int64_t,
+                              const void*, void*, int) {
+  return 3;
+}
+
+extern "C" int tg_half_linear_available() { return 0; }
+
+#endif
