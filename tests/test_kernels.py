@@ -78,12 +78,15 @@ def test_kernel_is_built_once_and_cached() -> None:
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TGENGINE_KERNELS", "0")
     kernels.load.cache_clear()
+    kernels.has_half_linear.cache_clear()
     try:
         assert kernels.load() is None
+        assert not kernels.has_half_linear()
         assert not kernels.supports(torch.device("cpu"), torch.float32, 64, 1)
     finally:
         monkeypatch.undo()
         kernels.load.cache_clear()
+        kernels.has_half_linear.cache_clear()
     assert kernels.load() is not None
 
 
