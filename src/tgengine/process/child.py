@@ -17,8 +17,9 @@ import sys
 import anyio
 from anyio.abc import UNIXSocketStream
 
+from .._faults import FaultInjector
 from ..engine import Engine
-from .host import EngineHost, build_faults
+from .host import EngineHost
 from .messages import Setup
 from .wire import Channel
 
@@ -33,7 +34,7 @@ async def serve_parent(sock: socket.socket) -> BaseException | None:
             return None  # the parent left before it said anything
         if not isinstance(setup, Setup) or rest:
             raise TypeError(f"expected Setup alone first, got {type(setup).__name__}")
-        engine = Engine(setup.config, _faults=build_faults(setup.faults))
+        engine = Engine(setup.config, _faults=FaultInjector.from_plan(setup.faults))
         return await EngineHost(engine, channel).run()
     finally:
         with anyio.CancelScope(shield=True):

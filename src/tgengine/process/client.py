@@ -12,17 +12,12 @@ import copy
 import dataclasses
 import itertools
 import math
-import socket
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
-import sniffio
-from anyio.abc import UNIXSocketStream
 
 from .._faults import FaultInjector
 from .._groups import root_cause
@@ -46,7 +41,6 @@ from .errors import EngineProcessExited, describe_status
 from .messages import (
     Abort,
     Call,
-    FaultPlan,
     Final,
     Frame,
     Generate,
@@ -61,6 +55,7 @@ from .messages import (
     Stop,
 )
 from .remote_stream import RemoteRequest, RemoteStream
+from .spawn import spawn_child
 from .weights_file import remove_weights_dir, write_weights_dir
 from .wire import Channel
 
@@ -101,7 +96,7 @@ class ProcessEngine:
         self.config = config
         self.shutdown_timeout = shutdown_timeout
         self.pid: int | None = None
-        self._faults = _fault_plan(_faults)
+        self._faults = _faults.plan() if _faults is not None else None
         self._state = S.STARTING
         self._run_called = False
         self._stopping = False
@@ -163,23 +158,9 @@ class ProcessEngine:
             raise EngineDeadError(f"{type(cause).__name__}: {cause}") from cause
 
     async def _spawn(self) -> tuple[anyio.abc.Process, Channel]:
-        parent, child = socket.socketpair()
-        try:
-            with child:
-                command = [sys.executable, "-m", "tgengine.process.child"]
-                command += ["--fd", str(child.fileno()), "--backend", _backend()]
-                process = await anyio.open_process(
-                    command,
-                    pass_fds=(child.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    stdout=None,
-                    stderr=None,
-                )
-            self.pid = process.pid
-            return process, Channel(await UNIXSocketStream.from_socket(parent))
-        except BaseException:
-            parent.close()
-            raise
+        process, channel = await spawn_child("tgengine.process.child")
+        self.pid = process.pid
+        return process, channel
 
     async def _reap(self, process: anyio.abc.Process, channel: Channel) -> None:
         """Make sure the child is gone, and settle the state from how it went."""
@@ -475,18 +456,3 @@ class ProcessEngine:
         self._requests.pop(request.key, None)
         if self._keys_by_id.get(request.request_id) == request.key:
             del self._keys_by_id[request.request_id]
-
-
-def _backend() -> str:
-    return "trio" if sniffio.current_async_library() == "trio" else "asyncio"
-
-
-def _fault_plan(faults: FaultInjector | None) -> FaultPlan | None:
-    if faults is None:
-        return None
-    return FaultPlan(
-        raise_at=dict(faults.raise_at),
-        hang_at=set(faults.hang_at),
-        cache_not_ready_at={k: set(v) for k, v in faults.cache_not_ready_at.items()},
-        hang_limit=faults.hang_limit,
-    )

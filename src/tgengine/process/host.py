@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from .._faults import FaultInjector
+from .._task_status import StartedOnce
 from ..engine import Engine
 from ..errors import EngineDeadError, TGEngineError
 from ..model_agent import MemoryStats
@@ -27,7 +26,6 @@ from .messages import (
     CONTROL_METHODS,
     Abort,
     Call,
-    FaultPlan,
     Final,
     Frame,
     Generate,
@@ -40,10 +38,9 @@ from .messages import (
     StepFinished,
     Stop,
 )
+from .orphan import ParentWatch
 from .wire import Channel
 
-PARENT_POLL = 0.5  # seconds between checks that the parent is alive
-ORPHAN_EXIT = 3.0  # seconds an orphaned engine process gets to stop before it exits hard
 HEARTBEAT = 0.5  # seconds between snapshots while nothing else is sent
 MAX_BATCH = 4096  # messages in one frame
 
@@ -59,9 +56,8 @@ class EngineHost:
         self.engine = engine
         self.channel = channel
         self._outbox, self._outgoing = anyio.create_memory_object_stream[Any](math.inf)
-        self._parent_pid = os.getppid()
+        self._parent = ParentWatch()
         self._cause: BaseException | None = None
-        self._parent_gone = False
         self._memory: dict[str, MemoryStats] | None = None
         self._memory_time = 0.0
         engine.observers.append(self)  # the parent's observers hear what this engine does
@@ -78,7 +74,7 @@ class EngineHost:
             try:
                 async with anyio.create_task_group() as forwarders:
                     async with anyio.create_task_group() as control:
-                        control.start_soon(self._watch_parent, control.cancel_scope)
+                        control.start_soon(self._parent.watch, control.cancel_scope)
                         await control.start(self._run_engine, control.cancel_scope)
                         if self._cause is None:
                             model = self.engine.model_config
@@ -92,7 +88,7 @@ class EngineHost:
     async def _run_engine(
         self, done: anyio.CancelScope, *, task_status: anyio.abc.TaskStatus[None]
     ) -> None:
-        status = _StartedOnce(task_status)
+        status = StartedOnce(task_status)
         try:
             await self.engine.run(task_status=status)
         except EngineDeadError as exc:
@@ -109,7 +105,7 @@ class EngineHost:
             try:
                 batch: list[Any] = await self.channel.receive()
             except anyio.EndOfStream:
-                self._orphaned()
+                self._parent.orphaned()
                 control.cancel_scope.cancel()  # cancelling the engine is stop(grace=0)
                 return
             for message in batch:
@@ -147,22 +143,6 @@ class EngineHost:
             error = portable(exc)
         self._send(Reply(message.call_id, error))
 
-    async def _watch_parent(self, scope: anyio.CancelScope) -> None:
-        # Polling: nothing announces a parent's death but the socket, which a leaked copy
-        # of its descriptor could keep open.
-        while os.getppid() == self._parent_pid:  # noqa: ASYNC110
-            await anyio.sleep(PARENT_POLL)
-        self._orphaned()
-        scope.cancel()
-
-    def _orphaned(self) -> None:
-        if self._parent_gone:
-            return
-        self._parent_gone = True
-        watchdog = threading.Timer(ORPHAN_EXIT, os._exit, args=(3,))
-        watchdog.daemon = True
-        watchdog.start()
-
     def _send(self, message: Any) -> None:
         self._outbox.send_nowait(message)
 
@@ -184,12 +164,12 @@ class EngineHost:
                 await self._write(Frame(messages, self._snapshot(messages)))
 
     async def _write(self, frame: Frame) -> None:
-        if self._parent_gone:
+        if self._parent.is_orphaned:
             return  # nobody is listening
         try:
             await self.channel.send(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            self._orphaned()
+            self._parent.orphaned()
 
     def _snapshot(self, messages: list[Any]) -> Snapshot:
         engine = self.engine
@@ -216,26 +196,3 @@ class EngineHost:
             refusal=refusal,
             clock=now,
         )
-
-
-class _StartedOnce:
-    """A task status that remembers whether ``started()`` was called."""
-
-    def __init__(self, status: anyio.abc.TaskStatus[None]) -> None:
-        self.status = status
-        self.called = False
-
-    def started(self, value: None = None) -> None:
-        self.called = True
-        self.status.started(value)
-
-
-def build_faults(plan: FaultPlan | None) -> FaultInjector | None:
-    if plan is None:
-        return None
-    return FaultInjector(
-        raise_at=dict(plan.raise_at),
-        hang_at=set(plan.hang_at),
-        cache_not_ready_at={k: set(v) for k, v in plan.cache_not_ready_at.items()},
-        hang_limit=plan.hang_limit,
-    )

@@ -8,9 +8,10 @@ the frame was sent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from .._faults import FaultPlan
 from ..config import EngineConfig
 from ..model_agent import MemoryStats
 from ..outputs import RequestOutput
@@ -18,16 +19,6 @@ from ..request_stats import RequestStats
 from ..sampling import SamplingParams
 from ..state import EngineState
 from ..stats import EngineStats
-
-
-@dataclass(frozen=True)
-class FaultPlan:
-    """The picklable part of a test's ``FaultInjector`` (steps to raise at or hang in)."""
-
-    raise_at: dict[int, BaseException] = field(default_factory=dict)
-    hang_at: set[int] = field(default_factory=set)
-    cache_not_ready_at: dict[int, set[str]] = field(default_factory=dict)
-    hang_limit: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,12 @@ HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 30
 
 
+def encode(message: Any) -> bytes:
+    """``message`` as one frame: its length, then its pickle."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(payload)) + payload
+
+
 class Channel:
     """Sends and receives whole messages; one writer task and one reader task at most."""
 
@@ -26,8 +32,11 @@ class Channel:
         self._reader = BufferedByteReceiveStream(stream)
 
     async def send(self, message: Any) -> None:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        await self._stream.send(HEADER.pack(len(payload)) + payload)
+        await self.send_encoded(encode(message))
+
+    async def send_encoded(self, frame: bytes) -> None:
+        """Send a frame from ``encode`` (one pickle for a message sent on many channels)."""
+        await self._stream.send(frame)
 
     async def receive(self) -> Any:
         """The next message; ``anyio.EndOfStream`` once the peer has closed or died."""
