@@ -87,11 +87,30 @@ def test_errors_cross_a_process_boundary_as_themselves() -> None:
         ("when_asleep", {"when_asleep": "later"}),
         ("step_timeout", {"step_timeout": -1.0}),
         ("max_num_seqs", {"max_num_seqs": 0}),
+        ("tensor_parallel_size", {"tensor_parallel_size": 0}),
+        ("executor", {"executor": "threads"}),
+        ("executor", {"executor": "uni", "tensor_parallel_size": 2}),
+        ("ray_address", {"ray_address": ""}),
     ],
 )
 def test_engine_config_names_the_bad_field(field: str, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="m", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        ({}, "uni"),
+        ({"tensor_parallel_size": 2}, "mp"),
+        ({"executor": "mp"}, "mp"),
+        ({"executor": "ray", "tensor_parallel_size": 2}, "ray"),
+    ],
+)
+def test_the_executor_defaults_to_uni_at_size_1_and_mp_above(
+    kwargs: dict[str, object], kind: str
+) -> None:
+    assert EngineConfig(model="m", **kwargs).executor_kind == kind  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

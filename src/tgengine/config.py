@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXECUTORS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class EngineConfig:
     candidate; see ``cpu_threads``). ``prepack_weights``: on
     CPU, where oneDNN packs the dtype, replace each linear weight by its packed form
     (faster products; still one copy of the weights, see docs/engine.md).
+
+    ``tensor_parallel_size`` ranks each hold a shard of the model; ``executor`` runs them:
+    ``"uni"`` (one rank, in this process), ``"mp"`` (one worker process per rank) or
+    ``"ray"`` (one Ray actor per rank); None picks ``uni`` at size 1 and ``mp`` above.
+    ``ray_address`` is the Ray cluster to join (None: start or join a local one); only
+    the ``ray`` executor reads it. See docs/distributed.md.
     """
 
     model: str
@@ -38,6 +45,9 @@ class EngineConfig:
     tokenizer: str | None = None
     num_threads: int | None = None
     prepack_weights: bool = True
+    tensor_parallel_size: int = 1
+    executor: Literal["uni", "mp", "ray"] | None = None
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -61,6 +71,23 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.executor is not None and self.executor not in EXECUTORS:
+            raise ValueError(f"executor: must be one of {EXECUTORS} or None, got {self.executor!r}")
+        if self.executor == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"executor: 'uni' runs one rank; tensor_parallel_size="
+                f"{self.tensor_parallel_size} needs 'mp' or 'ray'"
+            )
+        if self.ray_address is not None and not self.ray_address:
+            raise ValueError("ray_address: must be an address (or 'auto'), or None")
+
+    @property
+    def executor_kind(self) -> Literal["uni", "mp", "ray"]:
+        """The executor that runs the ranks: ``executor``, or the default for the size."""
+        if self.executor is not None:
+            return self.executor
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
 def _positive(name: str, value: int) -> None:

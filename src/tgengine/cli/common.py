@@ -40,6 +40,25 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "packs the dtype: faster products, still one copy (default: on)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks that each hold a shard of the model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=["uni", "mp", "ray"],
+        help="what runs the ranks: uni (this process), mp (a worker process per rank) or "
+        "ray (a Ray actor per rank); default: uni at size 1, mp above (docs/distributed.md)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster to join with --executor ray ('auto': the one on this machine; "
+        "default: start a local Ray)",
+    )
+    parser.add_argument(
         "--backend",
         default="asyncio",
         choices=["asyncio", "trio"],
@@ -64,6 +83,9 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         prepack_weights=args.prepack_weights,
+        tensor_parallel_size=args.tensor_parallel_size,
+        executor=args.executor,
+        ray_address=args.ray_address,
         **overrides,  # type: ignore[arg-type]
     )
 
