@@ -15,3 +15,15 @@ def _alive(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def worker_pids() -> list[int]:
+    """This test process's ``mp`` executor workers (``tgengine.executor.mp_worker``)."""
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if _alive(p) and "tgengine.executor.mp_worker" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids

@@ -25,7 +25,7 @@ from .errors import (
     IllegalStateError,
     InvalidRequestError,
 )
-from .executor import UniExecutor
+from .executor import make_executor
 from .model_agent import MemoryStats
 from .models import iter_safetensors
 from .outputs import FinishReason, RequestOutput
@@ -53,7 +53,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, _faults: FaultInjector | None = None) -> None:
         self.config = config
-        self._executor = UniExecutor(config, _faults)
+        self._executor = make_executor(config, _faults)
         self._loop = EngineLoop(
             config, self._executor, self._can_step, lambda: self._weight_version, self._die
         )

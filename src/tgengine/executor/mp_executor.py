@@ -1,0 +1,258 @@
+"""``MPExecutor``: one worker process per tensor-parallel rank, on this machine.
+
+Each worker (``mp_worker``) runs one rank's ``ModelAgent`` under the agent's own
+``run()``. A step is pickled once and the same bytes go to every rank over its socket;
+rank 0's reply carries the sampled tokens. Weights for ``update_weights`` travel as one
+safetensors file in ``/dev/shm``. A rank that dies, or raises, is a fault: the pending
+call fails at once with a ``WorkerError`` that names the rank (the engine dies of it), and
+``run()`` raises it when no call was pending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+
+from .._faults import FaultInjector
+from ..config import EngineConfig
+from ..model_agent import AgentInfo, MemoryStats
+from ..parallel import free_port
+from ..process.spawn import spawn_child
+from ..process.weights_file import remove_weights_dir, write_weights_dir
+from ..process.wire import Channel, encode
+from ..step import StepBatch, StepResult
+from .errors import WorkerError, WorkerExited, WorkerFailed
+from .mp_messages import Fatal, Loaded, Request, Response
+from .worker import (
+    CheckWeights,
+    Command,
+    Execute,
+    RankSpec,
+    Sleep,
+    UpdateWeights,
+    Wakeup,
+)
+
+WORKER_MODULE = "tgengine.executor.mp_worker"
+EXIT_STATUS_WAIT = 1.0  # seconds to wait for a dead worker's exit status
+FAULT_SHUTDOWN = 1.0  # seconds workers get to exit after a fault or an abandoned step
+
+
+@dataclasses.dataclass
+class _Rank:
+    rank: int
+    process: anyio.abc.Process
+    channel: Channel
+    loaded: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    info: AgentInfo | None = None
+
+
+@dataclasses.dataclass
+class _Call:
+    """One command broadcast to every rank; done at the last reply or the first error."""
+
+    num_ranks: int
+    is_step: bool
+    results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    error: BaseException | None = None
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.done.set()
+
+
+class MPExecutor:
+    """Runs ``config.tensor_parallel_size`` ranks, each in its own worker process.
+
+    ``run()`` starts the workers, calls ``started(info)`` once every rank has loaded its
+    shard and allocated its KV cache (``num_blocks``: the minimum over ranks), and returns
+    only when cancelled, after every worker has exited (killed after ``shutdown_timeout``
+    seconds, or one second after a fault). It raises ``WorkerExited`` or ``WorkerFailed``
+    when a rank dies or fails while no call is pending.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        faults: FaultInjector | None = None,
+        *,
+        shutdown_timeout: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.shutdown_timeout = shutdown_timeout
+        self._faults = faults
+        self._ranks: list[_Rank] = []
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._send_lock = anyio.Lock()
+        self._memory: dict[int, dict[str, MemoryStats]] = {}
+        self._fault: BaseException | None = None
+        self._abandoned = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' pids, by rank (for tests and tools)."""
+        return [r.process.pid for r in self._ranks]
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the workers; ``started(info)`` once all serve; returns only when cancelled."""
+        n = self.world_size
+        init_method = f"tcp://127.0.0.1:{free_port()}" if n > 1 else None
+        follow = self._faults is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                for rank in range(n):
+                    process, channel = await spawn_child(WORKER_MODULE)
+                    self._ranks.append(_Rank(rank, process, channel))
+                    spec = RankSpec(self.config, rank, n, init_method, follow_faults=follow)
+                    await channel.send(spec)
+                    tg.start_soon(self._read, self._ranks[-1])
+                for r in self._ranks:
+                    await r.loaded.wait()
+                task_status.started(self._merged_info())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._reap()
+
+    def _merged_info(self) -> AgentInfo:
+        infos = [r.info for r in self._ranks if r.info is not None]
+        first = infos[0]
+        return dataclasses.replace(
+            first,
+            num_blocks=min(i.num_blocks for i in infos),
+            max_model_len=min(i.max_model_len for i in infos),
+        )
+
+    async def _read(self, r: _Rank) -> None:
+        """Dispatch rank ``r``'s messages; raises once it is gone (or failed)."""
+        try:
+            while True:
+                message = await r.channel.receive()
+                if isinstance(message, Response):
+                    self._answer(r.rank, message)
+                elif isinstance(message, Loaded):
+                    r.info = message.info
+                    self._memory[r.rank] = message.memory
+                    r.loaded.set()
+                elif isinstance(message, Fatal):
+                    error = message.error
+                    if not r.loaded.is_set():  # failed loading: the error as it is
+                        error.add_note(f"(in the rank {r.rank} worker)")
+                        raise error
+                    failed = WorkerFailed(r.rank, error)
+                    if self._lose(failed):
+                        return  # the pending step raises it: the engine dies of it at once
+                    raise failed
+        except anyio.EndOfStream:
+            with anyio.move_on_after(EXIT_STATUS_WAIT):
+                await r.process.wait()
+            lost = WorkerExited(r.rank, r.process.pid, r.process.returncode)
+            if self._lose(lost):
+                return
+            raise lost from None
+
+    def _answer(self, rank: int, response: Response) -> None:
+        if response.memory is not None:
+            self._memory[rank] = response.memory
+        call = self._calls.get(response.call_id)
+        if call is None:
+            return  # its caller was cancelled
+        if response.error is not None:
+            error = response.error
+            call.fail(WorkerFailed(rank, error) if call.is_step else error)
+            return
+        call.results[rank] = response.result
+        if len(call.results) == call.num_ranks:
+            call.done.set()
+
+    def _lose(self, lost: WorkerError) -> bool:
+        """Fail every pending call with ``lost``; True when a step was among them."""
+        self._fault = self._fault or lost
+        had_step = False
+        for call in self._calls.values():
+            had_step = had_step or call.is_step
+            call.fail(lost)
+        return had_step
+
+    async def _reap(self) -> None:
+        """Close every channel (a worker stops at end of stream), wait, kill what is left."""
+        for r in self._ranks:
+            await r.channel.aclose()
+        faulty = self._fault is not None or self._abandoned
+        with anyio.move_on_after(FAULT_SHUTDOWN if faulty else self.shutdown_timeout):
+            for r in self._ranks:
+                await r.process.wait()
+        for r in self._ranks:
+            if r.process.returncode is None:
+                r.process.kill()
+            await r.process.wait()
+            await r.process.aclose()
+
+    # -- the Executor calls -----------------------------------------------------------
+
+    async def execute(self, batch: StepBatch) -> StepResult:
+        plan = None
+        if self._faults is not None:
+            self._faults.num_steps += 1  # the test reads the count here
+            plan = self._faults.plan()
+        num_steps = self._faults.num_steps - 1 if self._faults is not None else 0
+        results = await self._broadcast(Execute(batch, num_steps, plan))
+        result: StepResult = results[0]
+        return result
+
+    async def sleep(self, level: int) -> None:
+        await self._broadcast(Sleep(level))
+
+    async def wakeup(self, tag: str) -> bool:
+        return any(await self._broadcast(Wakeup(tag)))
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Every rank checks the full tensors; only if all pass does any rank apply them."""
+        path = await anyio.to_thread.run_sync(write_weights_dir, named)
+        try:
+            await self._broadcast(CheckWeights(str(path)))
+            await self._broadcast(UpdateWeights(str(path)))
+        finally:
+            remove_weights_dir(path)
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        """Every rank's figures (as of its latest reply), one entry per rank."""
+        merged: dict[str, MemoryStats] = {}
+        for rank in sorted(self._memory):
+            merged.update(self._memory[rank])
+        return merged
+
+    async def _broadcast(self, command: Command) -> list[Any]:
+        """Send ``command`` to every rank (one pickle); their results by rank."""
+        if self._fault is not None:
+            raise self._fault
+        call_id = next(self._ids)
+        call = self._calls[call_id] = _Call(len(self._ranks), isinstance(command, Execute))
+        try:
+            frame = encode(Request(call_id, command))
+            async with self._send_lock:
+                for r in self._ranks:
+                    try:
+                        await r.channel.send_encoded(frame)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        pass  # that worker is gone: its reader fails this call
+            await call.done.wait()
+        except BaseException:
+            if not call.done.is_set():
+                self._abandoned = True  # a rank may still be in it: do not wait long for it
+            raise
+        finally:
+            del self._calls[call_id]
+        if call.error is not None:
+            raise call.error
+        return [call.results[rank] for rank in range(len(self._ranks))]
