@@ -27,3 +27,8 @@ def worker_pids() -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return pids
+
+
+def still_running(processes: list[psutil.Process]) -> list[int]:
+    """The pids of ``processes`` that still run (zombies and the gone do not)."""
+    return [p.pid for p in processes if _alive(p)]

@@ -84,6 +84,18 @@ def test_latency(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert concurrent["ttft_s"]["p50"] > 0 and concurrent["inter_token_s"]["p99"] > 0
 
 
+def test_latency_on_mp_reports_the_control_plane(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ("--executor", "mp", "--tensor-parallel-size", "1", "--systems", "tgengine")
+    result = run_bench("latency", tiny_llama_dir, tmp_path, *extra, capsys=capsys)
+    assert result["setup"]["executor"] == "mp"
+    control = result["control_plane"]
+    assert control["uni_step_ms"] > 0 and control["mp_step_ms"] > 0
+    assert control["round_trip_minus_worker_ms"] > 0 and control["budget_ms"] >= 1.0
+    assert "control plane per step" in (tmp_path / "latency.txt").read_text()
+
+
 def test_lifecycle(
     tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

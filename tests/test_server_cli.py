@@ -12,12 +12,13 @@ from pathlib import Path
 
 import anyio
 import httpx
+import psutil
 import pytest
 
 from server_helpers import assert_error_body, completion_body, parse_sse, stream_lines
 from tgengine.cli.main import build_parser
 
-from process_helpers import child_pids
+from process_helpers import child_pids, still_running
 
 TIMEOUT = 90
 RUNNER = [sys.executable, "-m", "tgengine"]
@@ -33,15 +34,19 @@ def test_serve_help_lists_the_options() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize(
+    "where", ["in-process", "engine-process", "mp-executor"], ids=lambda where: where
+)
 async def test_sigterm_drains_then_aborts_then_exits_0(
-    long_context_dir: Path, anyio_backend: str, engine_process: bool
+    long_context_dir: Path, anyio_backend: str, where: str
 ) -> None:
     command = [*RUNNER, "serve", "--model", str(long_context_dir), "--port", "0",
                "--backend", anyio_backend, "--served-model-name", "tiny", "--dtype", "float32",
                "--shutdown-grace", "4"]  # fmt: skip
-    if engine_process:
+    if where == "engine-process":
         command.append("--engine-process")
+    elif where == "mp-executor":
+        command += ["--executor", "mp"]  # its worker must be gone too
     before = child_pids()
     with anyio.fail_after(TIMEOUT):
         async with await anyio.open_process(command) as process:
@@ -51,6 +56,7 @@ async def test_sigterm_drains_then_aborts_then_exits_0(
                 out += await process.stdout.receive()
             url = re.search(rb"(http://\S+)\n", out)
             assert url is not None
+            below = psutil.Process(process.pid).children(recursive=True)
             async with httpx.AsyncClient(base_url=url.group(1).decode(), timeout=30) as http:
                 ready = (await http.get("/health")).json()
                 card = (await http.get("/v1/models")).json()["data"][0]
@@ -90,6 +96,8 @@ async def test_sigterm_drains_then_aborts_then_exits_0(
         reasons.append(events[-1]["choices"][0]["finish_reason"])
     assert reasons == ["length", "abort"]
     assert child_pids() == before, "serve and its engine process have both exited"
+    assert still_running(below) == [], "no worker outlived serve"
+    assert len(below) == (0 if where == "in-process" else 1)
 
 
 def test_a_crash_loop_gives_up_and_exits_1(tiny_llama_dir: Path, tmp_path: Path) -> None:

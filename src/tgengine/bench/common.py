@@ -31,6 +31,9 @@ class BenchSetup:
     kv_cache_memory: int | None = None
     thread_rates: dict[str, float] = field(default_factory=dict)
     quick: bool = False  # shorter machine measurements (tests, smoke runs)
+    tensor_parallel_size: int = 1
+    executor: str | None = None  # EngineConfig.executor: None picks by the size
+    ray_address: str | None = None
 
     @staticmethod
     def resolve(
@@ -42,6 +45,9 @@ class BenchSetup:
         progress: bool = True,
         kv_cache_memory: int | None = None,
         quick: bool = False,
+        tensor_parallel_size: int = 1,
+        executor: str | None = None,
+        ray_address: str | None = None,
     ) -> BenchSetup:
         """Pick the device (``auto``: CUDA when present) and, on CPU, the thread count."""
         if dtype not in _DTYPES:
@@ -53,7 +59,26 @@ class BenchSetup:
         if torch.device(device).type == "cpu":
             chosen, rates = pick_threads(threads, _DTYPES[dtype])
             torch.set_num_threads(chosen)
-        return BenchSetup(model_dir, dtype, device, chosen, progress, kv_cache_memory, rates, quick)
+        return BenchSetup(
+            model_dir,
+            dtype,
+            device,
+            chosen,
+            progress,
+            kv_cache_memory,
+            rates,
+            quick,
+            tensor_parallel_size,
+            executor,
+            ray_address,
+        )
+
+    @property
+    def executor_kind(self) -> str:
+        """As ``EngineConfig.executor_kind``: the executor, or the default for the size."""
+        if self.executor is not None:
+            return self.executor
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,6 +112,8 @@ class BenchSetup:
             "threads": self.threads,
             "thread_calibration_flops": self.thread_rates,
             "kv_cache_memory": self.kv_cache_memory,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "executor": self.executor_kind,
         }
 
 

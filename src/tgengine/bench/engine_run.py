@@ -29,6 +29,9 @@ def engine_config(setup: BenchSetup, dtype: str | None = None) -> EngineConfig:
         device=setup.device,
         num_threads=setup.threads if setup.device.startswith("cpu") else None,
         kv_cache_memory=setup.kv_cache_memory,
+        tensor_parallel_size=setup.tensor_parallel_size,
+        executor=setup.executor,  # type: ignore[arg-type]
+        ray_address=setup.ray_address,
     )
 
 

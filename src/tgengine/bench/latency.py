@@ -17,6 +17,7 @@ import anyio
 from ..engine import Engine
 from ..open_engine import open_engine
 from .common import BenchSetup, best_tgengine, tgengine_runs
+from .control_plane import compare, executor_timings, uni_setup, wants_comparison
 from .engine_run import engine_config, percentiles, run_all, stream_one, warm_up
 from .hf_baselines import load_hf_model, single_stream
 from .peers import LimitsByThreads, PeerPlan, best_by_kind, latency_job, run_peers
@@ -56,8 +57,10 @@ async def _tgengine(
         wall, timings = await run_all(
             engine, concurrent, desc="tgengine streams", progress=setup.progress
         )
+        executor = executor_timings(engine)
     tokens = sum(len(t.token_times) for t in timings)
     return {
+        "executor_timings": executor,
         "single": single,
         "concurrent": {
             "num_streams": len(concurrent),
@@ -101,6 +104,15 @@ def _peer_rows(
                 }
             )
     return info
+
+
+def _control_plane(mp: dict[str, Any], uni: dict[str, Any]) -> dict[str, Any]:
+    """The single-stream decode step (the shortest prompt: the smallest step) of each."""
+    shortest = min(mp["single"])
+    mp_rate = mp["single"][shortest]["decode_tokens_per_s"]
+    uni_rate = uni["single"][shortest]["decode_tokens_per_s"]
+    what = f"single-stream decode, prompt {shortest}"
+    return compare(1 / mp_rate, 1 / uni_rate, mp["executor_timings"], what)
 
 
 def run_latency(
@@ -147,6 +159,9 @@ def run_latency(
                     {"system": label, "prompt_len": len(singles[n][0].prompt), **r, **threads}
                 )
             result.setdefault("concurrent", {"system": label, **tg["concurrent"]})
+            if wants_comparison(setup) and "control_plane" not in result:
+                uni = anyio.run(partial(_tgengine, uni_setup(setup), singles, concurrent))
+                result["control_plane"] = _control_plane(tg, uni)
     if "hf_generate" in systems:
         model = load_hf_model(setup.model_dir, setup.torch_dtype, setup.device)
         _hf_warm_up(model)

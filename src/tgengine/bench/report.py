@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .control_plane import render as control_plane_lines
+
 _GB = 1e9
 _MIB = 1024**2
 
@@ -93,6 +95,7 @@ def render(result: dict[str, Any]) -> str:
     lines.extend(peer_lines(result))
     lines.append("")
     lines.append(_RENDERERS[kind](result))
+    lines.extend(control_plane_lines(result))
     ratios = result.get("ratios")
     if ratios:
         lines.append("")

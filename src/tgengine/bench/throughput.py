@@ -19,6 +19,7 @@ import torch
 
 from ..open_engine import open_engine
 from .common import BenchSetup, best_tgengine, is_tgengine, machine_info, tgengine_runs
+from .control_plane import compare, executor_timings, uni_setup, wants_comparison
 from .engine_run import engine_config, percentiles, profile_steps, run_all, stream_one, warm_up
 from .hf_baselines import generate_batch, generate_static, load_hf_model, single_stream
 from .peers import LimitsByThreads, PeerPlan, best_by_kind, run_peers, throughput_job
@@ -49,11 +50,16 @@ async def _tgengine_mixed(setup: BenchSetup, requests: list[BenchRequest]) -> di
         with profile_steps() as profiler:
             wall, timings = await run_all(engine, requests, progress=setup.progress)
         after = engine.stats()
+        executor = executor_timings(engine)
     forward_s = sum(end - start for start, end, _, _ in profiler.forwards)
+    num_steps = after.num_steps - before.num_steps
     return {
         "wall_s": wall,
         "output_tokens": sum(len(t.token_times) for t in timings),
-        "num_steps": after.num_steps - before.num_steps,
+        "num_steps": num_steps,
+        "step_s": wall / num_steps if num_steps else 0.0,
+        "executor": setup.executor_kind,
+        "executor_timings": executor,
         "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
         "forward_fraction_of_wall": forward_s / wall if wall > 0 else 0.0,
         "ttft_s": percentiles([t.ttft for t in timings if t.ttft is not None]),
@@ -91,6 +97,7 @@ def run_throughput(
     costs = ModelCosts.of(mc, setup.torch_dtype)
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
+    control: dict[str, Any] | None = None
     n, prompt_tokens = info["num_requests"], info["prompt_tokens"]
     if "tgengine" in systems:
         for label, run_setup in tgengine_runs(setup, tgengine_threads):
@@ -99,6 +106,11 @@ def run_throughput(
             if label != "tgengine":
                 rows[-1]["threads"] = run_setup.threads
             details[label] = tg
+        if wants_comparison(setup):
+            uni = anyio.run(partial(_tgengine_mixed, uni_setup(setup), requests))
+            details["tgengine uni"] = uni
+            mp = details["tgengine"] if "tgengine" in details else next(iter(details.values()))
+            control = compare(mp["step_s"], uni["step_s"], mp["executor_timings"], "mixed")
     if "hf_generate" in systems or "hf_generate_batch" in systems:
         model = load_hf_model(setup.model_dir, setup.torch_dtype, setup.device)
         _hf_warm_up(model)
@@ -135,6 +147,7 @@ def run_throughput(
         "rows": rows,
         "ratios": _ratios(rows),
         "details": details,
+        "control_plane": control,
         "roofline": {"machine": limits.as_dict(), "model": costs.as_dict()},
     }
 

@@ -151,6 +151,21 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="tgengine's KV cache budget (default: the engine's)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tgengine's ranks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=["uni", "mp", "ray"],
+        help="what runs tgengine's ranks (default: uni at size 1, mp above); with "
+        "'--executor mp' at size 1, throughput and latency also run uni and report the "
+        "control plane's cost per step",
+    )
+    parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster (--executor ray)")
     parser.add_argument("--out", metavar="DIR", help="write JSON, text and a PNG chart here")
     parser.add_argument(
         "--quick",
@@ -383,6 +398,9 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             kv_cache_memory=args.kv_cache_memory,
             quick=args.quick,
+            tensor_parallel_size=args.tensor_parallel_size,
+            executor=args.executor,
+            ray_address=args.ray_address,
         )
         result = with_machine(setup, runner(setup, args))
     except (TGEngineError, PeerSpecError) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any
 
 import anyio
@@ -53,12 +54,27 @@ class _Rank:
 
 
 @dataclasses.dataclass
+class StepTimings:
+    """The control plane's share of the steps so far: ``round_trip_s`` is the executor's
+    time from sending a step to its last reply, ``worker_s`` the slowest rank's own time."""
+
+    num_steps: int = 0
+    round_trip_s: float = 0.0
+    worker_s: float = 0.0
+
+    @property
+    def overhead_per_step_s(self) -> float:
+        return (self.round_trip_s - self.worker_s) / self.num_steps if self.num_steps else 0.0
+
+
+@dataclasses.dataclass
 class _Call:
     """One command broadcast to every rank; done at the last reply or the first error."""
 
     num_ranks: int
     is_step: bool
     results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    elapsed: float = 0.0  # the slowest rank's own time
     error: BaseException | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
 
@@ -96,6 +112,7 @@ class MPExecutor:
         self._memory: dict[int, dict[str, MemoryStats]] = {}
         self._fault: BaseException | None = None
         self._abandoned = False
+        self.timings = StepTimings()
 
     @property
     def pids(self) -> list[int]:
@@ -172,6 +189,7 @@ class MPExecutor:
             call.fail(WorkerFailed(rank, error) if call.is_step else error)
             return
         call.results[rank] = response.result
+        call.elapsed = max(call.elapsed, response.elapsed)
         if len(call.results) == call.num_ranks:
             call.done.set()
 
@@ -238,6 +256,7 @@ class MPExecutor:
             raise self._fault
         call_id = next(self._ids)
         call = self._calls[call_id] = _Call(len(self._ranks), isinstance(command, Execute))
+        start = time.perf_counter()
         try:
             frame = encode(Request(call_id, command))
             async with self._send_lock:
@@ -255,4 +274,8 @@ class MPExecutor:
             del self._calls[call_id]
         if call.error is not None:
             raise call.error
+        if call.is_step:
+            self.timings.num_steps += 1
+            self.timings.round_trip_s += time.perf_counter() - start
+            self.timings.worker_s += call.elapsed
         return [call.results[rank] for rank in range(len(self._ranks))]

@@ -23,12 +23,14 @@ class Request:
 @dataclass(frozen=True)
 class Response:
     """``result`` of the command, or its ``error``; ``memory``: the rank's figures when
-    they may have changed (after a control command, and at most every half second)."""
+    they may have changed (after a control command, and at most every half second);
+    ``elapsed``: seconds the rank spent on the command (the rest is transport)."""
 
     call_id: int
     result: Any = None
     error: BaseException | None = None
     memory: dict[str, MemoryStats] | None = None
+    elapsed: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import anyio
 import anyio.abc
@@ -91,15 +92,17 @@ async def _obey(worker: RankWorker, channel: Channel, parent: ParentWatch) -> No
             return
         result: object = None
         error: BaseException | None = None
+        start = time.perf_counter()
         try:
             result = await worker.handle(request.command)
         except Exception as exc:  # the command's failure is the parent's to report
             error = portable(exc, with_traceback=True)
+        elapsed = time.perf_counter() - start
         memory = None
         now = anyio.current_time()
         if not isinstance(request.command, Execute) or now - memory_time >= MEMORY_EVERY:
             memory, memory_time = worker.memory_stats(), now
-        await _send(channel, parent, Response(request.call_id, result, error, memory))
+        await _send(channel, parent, Response(request.call_id, result, error, memory, elapsed))
 
 
 async def _send(channel: Channel, parent: ParentWatch, message: object) -> None:
