@@ -13,28 +13,31 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
+import torch
 
+from tgengine.models import KVCache, iter_safetensors, load_model, load_model_config
+from tgengine.models.weights import resident_bytes
 from tgengine.sampling import SamplingParams
 from tgengine.step import SeqStep, StepBatch, StepResult
 
-from engine_helpers import hf_greedy_with_margin, make_prompts, tiny_config
+from engine_helpers import hf_greedy, hf_greedy_with_margin, make_prompts, tiny_config
 from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
-from tp_harness import RankGroup
+from tp_harness import RankError, RankGroup
 
 WORLD_SIZE = 2
 MAX_TOKENS = 6
 MIN_MARGIN = 1e-3
 ARCHS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": ("llama", {}),
-    "qwen2": ("qwen2", {}),  # tied head, q/k/v bias
-    "mistral": ("mistral", {"sliding_window": 6}),
+    # tied head, q/k/v bias, a vocabulary padded to split evenly
+    "qwen2-odd-vocab": ("qwen2", {"vocab_size": 385}),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
     "gemma3": ("gemma3", {}),
     "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", {}),
-    "llama-1kv": ("llama", {"num_key_value_heads": 1}),  # the KV head replicated
+    "llama-1kv": ("llama", {"num_key_value_heads": 1}),  # the KV head on both ranks
 }
 
 
@@ -50,14 +53,24 @@ def ranks() -> Iterator[RankGroup]:
     assert child_pids() == before
 
 
+def prefill_batch(prompts: list[list[int]], max_tokens: int) -> StepBatch:
+    """Every prompt as one sequence ``s{i}`` in its own blocks (block size 4), greedy."""
+    per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // 4)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return StepBatch(
+        [
+            SeqStep(f"s{i}", list(p), 0, list(range(i * per_seq, (i + 1) * per_seq)), params)
+            for i, p in enumerate(prompts)
+        ]
+    )
+
+
 def greedy_tokens(
     execute: Callable[[StepBatch], StepResult], prompts: list[list[int]], max_tokens: int
 ) -> list[list[int]]:
-    """Greedy decode of every prompt in one batch, each in its own blocks (block size 4)."""
-    per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // 4)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    seqs = [SeqStep(f"s{i}", list(p), 0, tables[i], params) for i, p in enumerate(prompts)]
+    """Greedy decode of every prompt in one batch, as the engine would step it."""
+    seqs = prefill_batch(prompts, max_tokens).seqs
+    params = seqs[0].params
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_tokens):
         result = execute(StepBatch(seqs))
@@ -92,7 +105,7 @@ def test_greedy_tokens_at_size_2_equal_transformers(
 ) -> None:
     arch, overrides = ARCHS[name]
     model_dir = make_tiny_model_dir(tmp_path, arch=arch, **overrides)
-    prompts = make_prompts(vocab_size=384, count=3, seed=1)
+    prompts = make_prompts(vocab_size=384, count=3)
     expected = []
     for prompt in prompts:
         tokens, margin = hf_greedy_with_margin(model_dir, prompt, MAX_TOKENS)
@@ -101,5 +114,120 @@ def test_greedy_tokens_at_size_2_equal_transformers(
     ranks.load(tiny_config(model_dir))
     try:
         assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == expected
+    finally:
+        ranks.unload()
+
+
+def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: Path) -> None:
+    """Rank 1 alone finds s1's cache not ready: s1 fails on every rank, s0 and s2 go on."""
+    prompts = make_prompts(vocab_size=384, count=3)
+    ranks.load(tiny_config(tiny_llama_dir), cache_not_ready={1: {1: {"s1"}}})
+    try:
+        results = ranks.call("execute", prefill_batch(prompts, 1))
+        flags = ranks.call_each("agree_any", [[True, False, False], [False, False, True]])
+    finally:
+        ranks.unload()
+    assert [set(r.errors) for r in results] == [{"s1"}, {"s1"}]
+    assert "not ready on another rank" in results[0].errors["s1"]
+    assert "injected fault" in results[1].errors["s1"]
+    first = [hf_greedy(tiny_llama_dir, p, 1)[0] for p in prompts]
+    assert results[0].token_ids == {"s0": first[0], "s2": first[2]}
+    assert flags == [[True, False, True]] * WORLD_SIZE
+
+
+def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
+    """Loaded in one process as rank 0 and rank 1 of 2 (loading needs no collective)."""
+    from tgengine.parallel import ParallelContext
+
+    model_dir = make_tiny_model_dir(tmp_path, arch="phi3", num_key_value_heads=1)
+    config = load_model_config(model_dir)
+    full = dict(iter_safetensors(model_dir))
+    halves = [
+        dict(
+            load_model(
+                config, model_dir, torch.float32, "cpu", ParallelContext(r, 2)
+            ).named_parameters()
+        )
+        for r in range(2)
+    ]
+    layer = "model.layers.0."
+    # Fused q/k/v rows: each rank its 2 of 4 query heads, and the one KV head both.
+    q, kv = 2 * 16, 16
+    qkv = full[layer + "self_attn.qkv_proj.weight"]
+    for r, half in enumerate(halves):
+        rows = [qkv[r * q : (r + 1) * q], qkv[4 * 16 : 4 * 16 + kv], qkv[4 * 16 + kv :]]
+        assert torch.equal(half[layer + "self_attn.qkv_proj.weight"], torch.cat(rows))
+    # Row-parallel: columns; fused gate/up: each rank half of either; vocabulary: rows.
+    for name, dim in [
+        ("self_attn.o_proj.weight", 1),
+        ("mlp.down_proj.weight", 1),
+        ("input_layernorm.weight", None),
+    ]:
+        parts = [half[layer + name] for half in halves]
+        expected = full[layer + name]
+        assert torch.equal(torch.cat(parts, dim) if dim is not None else parts[1], expected)
+    gate, up = full[layer + "mlp.gate_up_proj.weight"].chunk(2)
+    for r, half in enumerate(halves):
+        mine = torch.cat([gate.chunk(2)[r], up.chunk(2)[r]])
+        assert torch.equal(half[layer + "mlp.gate_up_proj.weight"], mine)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(torch.cat([half[name] for half in halves]), full[name])
+
+
+def test_weight_updates_check_full_tensors_and_reach_every_shard(
+    ranks: RankGroup, tmp_path: Path
+) -> None:
+    old_dir = make_tiny_model_dir(tmp_path / "old", arch="phi3")
+    new_dir = make_tiny_model_dir(tmp_path / "new", arch="phi3", seed=1)
+    prompts = make_prompts(vocab_size=384, count=2)
+    old, new = [], []
+    for prompt in prompts:
+        for model_dir, expected in ((old_dir, old), (new_dir, new)):
+            tokens, margin = hf_greedy_with_margin(model_dir, prompt, MAX_TOKENS)
+            assert margin > MIN_MARGIN
+            expected.append(tokens)
+    assert old != new
+    named = list(iter_safetensors(new_dir))
+    # One rank's shard of the fused q/k/v rows is not the full tensor: every rank refuses.
+    bad = [(n, t[: t.shape[0] // 2] if n.endswith("qkv_proj.weight") else t) for n, t in named]
+    ranks.load(tiny_config(old_dir))
+    try:
+        for method in ("check_weights", "update_weights"):
+            answers = ranks.call(method, bad, raise_errors=False)
+            assert all(isinstance(a, RankError) for a in answers), method
+            assert all("InvalidRequestError" in str(a) for a in answers), method
+        assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == old
+        ranks.call("check_weights", named)
+        ranks.call("update_weights", named)
+        assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == new
+    finally:
+        ranks.unload()
+
+
+def test_each_rank_holds_half_and_sleeps_and_wakes(ranks: RankGroup, tiny_llama_dir: Path) -> None:
+    config = tiny_config(tiny_llama_dir)
+    model_config = load_model_config(tiny_llama_dir)
+    full = load_model(model_config, tiny_llama_dir, torch.float32, "cpu")
+    full_weights = resident_bytes(full)
+    replicated = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
+    prompts = make_prompts(vocab_size=384, count=2)
+    expected = [hf_greedy(tiny_llama_dir, p, MAX_TOKENS) for p in prompts]
+    infos = ranks.load(config)
+    try:
+        full_kv = KVCache.bytes_per_block(model_config, 4, torch.float32) * infos[0].num_blocks
+        for stats in ranks.call("memory_stats"):
+            (mine,) = stats.values()
+            assert mine.kv_cache_bytes == full_kv // 2
+            share = (full_weights - replicated) // 2 + replicated
+            assert abs(mine.weights_bytes - share) <= 0.01 * full_weights
+        for level in (1, 2):
+            ranks.call("sleep", level)
+            for stats in ranks.call("memory_stats"):
+                (mine,) = stats.values()
+                assert (mine.weights_bytes, mine.kv_cache_bytes) == (0, 0)
+            reloaded = ranks.call("wakeup", "weights")
+            assert reloaded == [level == 2] * WORLD_SIZE
+            ranks.call("wakeup", "kv_cache")
+            assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == expected
     finally:
         ranks.unload()

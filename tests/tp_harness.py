@@ -10,6 +10,7 @@ pipes, every wait bounded; the executors (``MPExecutor``) do this for real.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,13 +42,19 @@ class RankGroup:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def load(self, config: Any) -> list[Any]:
-        """Start every rank's agent on ``config``; each rank's ``AgentInfo``."""
-        return self.call("load", config)
+    def load(
+        self, config: Any, cache_not_ready: dict[int, dict[int, set[str]]] | None = None
+    ) -> list[Any]:
+        """Start every rank's agent on ``config``; each rank's ``AgentInfo``.
 
-    def call(self, method: str, arg: Any = None) -> list[Any]:
-        """``method(arg)`` on every rank's agent; each rank's answer."""
-        return self._all(method, [arg] * len(self.conns))
+        ``cache_not_ready``: ``{rank: {step: seq ids}}`` whose cache that rank finds not ready.
+        """
+        faults = cache_not_ready or {}
+        return self._all("load", [(config, faults.get(r)) for r in range(len(self.conns))])
+
+    def call(self, method: str, arg: Any = None, *, raise_errors: bool = True) -> list[Any]:
+        """``method(arg)`` on every rank's agent; each rank's answer (or ``RankError``)."""
+        return self._all(method, [arg] * len(self.conns), raise_errors)
 
     def call_each(self, method: str, args: list[Any]) -> list[Any]:
         """``method(args[rank])`` on every rank's agent; each rank's answer."""
@@ -65,7 +72,7 @@ class RankGroup:
                 proc.kill()
                 proc.join(TIMEOUT)
 
-    def _all(self, method: str, args: list[Any]) -> list[Any]:
+    def _all(self, method: str, args: list[Any], raise_errors: bool = True) -> list[Any]:
         for conn, arg in zip(self.conns, args, strict=True):
             conn.send((method, arg))
         answers = []
@@ -74,7 +81,7 @@ class RankGroup:
                 raise TimeoutError(f"rank {rank} did not answer {method!r} in {TIMEOUT} s")
             answers.append(conn.recv())
         failed = [a for a in answers if isinstance(a, RankError)]
-        if failed:
+        if failed and raise_errors:
             raise failed[0]
         return answers
 
@@ -97,13 +104,18 @@ def _rank_main(rank: int, world_size: int, init_method: str, conn: Connection) -
                 conn.send(RankError(f"no agent loaded for {method!r}"))
     finally:
         destroy_distributed()
+    conn.close()
+    os._exit(0)  # skip the interpreter's slow teardown (seconds on a busy machine)
 
 
-async def _serve(config: Any, parallel: Any, conn: Connection) -> None:
+async def _serve(load: Any, parallel: Any, conn: Connection) -> None:
     """Run one agent until ``unload``; answers every call on ``conn``."""
+    from tgengine._faults import FaultInjector
     from tgengine.model_agent import ModelAgent
 
-    agent = ModelAgent(config, parallel=parallel)
+    config, cache_not_ready = load
+    faults = FaultInjector(cache_not_ready_at=cache_not_ready) if cache_not_ready else None
+    agent = ModelAgent(config, faults, parallel)
     async with anyio.create_task_group() as tg:
         try:
             info = await tg.start(agent.run)

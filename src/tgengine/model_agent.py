@@ -97,7 +97,8 @@ class ModelAgent:
         self._kv: KVCache | None = None
         self._host_weights: dict[str, torch.Tensor] | None = None
         self._weights_resident = False
-        self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}  # full (checkpoint) shapes
+        self._local_shapes: dict[str, torch.Size] = {}  # this rank's shards
         self._info: AgentInfo | None = None
         self._sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -190,16 +191,19 @@ class ModelAgent:
             torch.set_num_threads(cfg.num_threads or self._default_threads(dtype))
         if device.type == "cpu":
             kernels.load()  # built once per machine; at start-up, not in the first step
-        self._model = load_model(model_config, cfg.model, dtype, device)
+        self._model = load_model(model_config, cfg.model, dtype, device, self.parallel)
         eos = frozenset(model_config.eos_token_ids)
         self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))
         self._model.gemm.prepack = cfg.prepack_weights
         pack_weights(self._model)
         self._weights_resident = True
         self._specs = weight_specs(self._model)
+        self._local_shapes = {name: p.shape for name, p in self._model.named_parameters()}
         max_len = cfg.max_model_len or model_config.max_position_embeddings
         num_blocks = self._plan_num_blocks(model_config, dtype, device, max_len)
-        self._kv = KVCache.allocate(model_config, num_blocks, cfg.block_size, dtype, device)
+        self._kv = KVCache.allocate(
+            model_config, num_blocks, cfg.block_size, dtype, device, self.parallel
+        )
         self._info = AgentInfo(
             model_config=model_config,
             device=str(device),
@@ -221,7 +225,7 @@ class ModelAgent:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        per_block = KVCache.bytes_per_block(mc, cfg.block_size, dtype)
+        per_block = KVCache.bytes_per_block(mc, cfg.block_size, dtype, self.parallel)
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
         elif device.type == "cuda":
@@ -324,6 +328,7 @@ class ModelAgent:
                     info.block_size,
                     info.dtype,
                     torch.device(info.device),
+                    self.parallel,
                 )
             return False
         if self._weights_resident:
@@ -334,8 +339,8 @@ class ModelAgent:
             if self._host_weights is not None:
                 p.data = self._host_weights[name].to(device)
             else:
-                shape, dtype = self._specs[name]
-                p.data = torch.empty(shape, dtype=dtype, device=device)
+                shape = self._local_shapes[name]
+                p.data = torch.empty(shape, dtype=p.dtype, device=device)
         if reloaded:
             load_weights(self._model, iter_stored(self.config.model), strict=True)
             pack_weights(self._model)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from tgengine.models.config import ModelConfig
+from tgengine.models.parallel_layers import local_kv_heads
+from tgengine.parallel import ParallelContext
 
 
 @dataclass
@@ -30,8 +32,12 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        parallel: ParallelContext | None = None,
     ) -> KVCache:
-        """Allocate a zeroed cache (zeros, so masked-out slots never inject NaN)."""
+        """Allocate a zeroed cache (zeros, so masked-out slots never inject NaN).
+
+        With ``parallel``, only this rank's KV heads (``local_kv_heads``).
+        """
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -39,7 +45,7 @@ class KVCache:
         shape = (
             config.num_layers,
             2,
-            config.num_kv_heads,
+            local_kv_heads(config, parallel or ParallelContext()),
             num_blocks * block_size,
             config.head_dim,
         )
@@ -47,10 +53,16 @@ class KVCache:
         return KVCache(kv=heads.permute(0, 1, 3, 2, 4), block_size=block_size)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, keys and values."""
+    def bytes_per_block(
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+    ) -> int:
+        """Bytes one block takes across all layers, keys and values (this rank's heads)."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+        heads = local_kv_heads(config, parallel or ParallelContext())
+        per_token = config.num_layers * 2 * heads * config.head_dim
         return per_token * block_size * element_size
 
     @property

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgengine.models.gemm import Gemm, LinearWeights
+from tgengine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from tgengine.parallel import ParallelContext
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +45,8 @@ class MLP(nn.Module):
 
     ``names`` are the checkpoint's module names (gate, up, down); with ``fused`` the checkpoint
     holds gate and up as one ``gate_up_proj`` (Phi-3), which is then the one row block.
+    With tensor parallelism each rank holds its share of the intermediate rows, and the
+    output is a partial sum over ranks.
     """
 
     def __init__(
@@ -53,21 +57,25 @@ class MLP(nn.Module):
         *,
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         fused: bool = False,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.act = act
+        parallel = parallel or ParallelContext()
         gate_name, up_name, down_name = names
+        rows = (intermediate_size, 1, False)
+        blocks: list[nn.Linear]
         if fused:
-            gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+            gate_up = ColumnParallelLinear(hidden_size, [rows, rows], parallel)
             self.add_module("gate_up_proj", gate_up)
             blocks = [gate_up]
         else:
-            gate = nn.Linear(hidden_size, intermediate_size, bias=False)
-            up = nn.Linear(hidden_size, intermediate_size, bias=False)
+            gate = ColumnParallelLinear(hidden_size, [rows], parallel)
+            up = ColumnParallelLinear(hidden_size, [rows], parallel)
             self.add_module(gate_name, gate)
             self.add_module(up_name, up)
             blocks = [gate, up]
-        down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        down = RowParallelLinear(intermediate_size, 1, hidden_size, parallel)
         self.add_module(down_name, down)
         self.gate_up = LinearWeights(blocks)
         self.down = LinearWeights([down])

@@ -19,8 +19,17 @@ from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import MLP, RMSNorm
 from tgengine.models.moe import SparseMoE
+from tgengine.models.parallel_layers import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    gather_logits,
+    local_heads,
+    local_kv_heads,
+    shard_map,
+)
 from tgengine.models.rope import RotaryEmbedding
 from tgengine.models.self_attention import Attention, StepContext
+from tgengine.parallel import ParallelContext
 
 
 class DecoderLayer(nn.Module):
@@ -32,14 +41,15 @@ class DecoderLayer(nn.Module):
     pre-norm is ``pre_feedforward_layernorm``.
     """
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext) -> None:
         super().__init__()
         eps, offset = config.rms_norm_eps, config.norm_unit_offset
-        self.self_attn = Attention(config, layer)
+        self.parallel = parallel
+        self.self_attn = Attention(config, layer, parallel)
         moe = config.moe
         ffn: MLP | SparseMoE
         if moe is not None and moe.sparse_layers[layer]:
-            ffn = SparseMoE(config.hidden_size, moe, config.hidden_act)
+            ffn = SparseMoE(config.hidden_size, moe, config.hidden_act, parallel)
             self._ffn_name = moe.block_name
         else:
             ffn = MLP(
@@ -47,6 +57,7 @@ class DecoderLayer(nn.Module):
                 config.intermediate_size,
                 config.hidden_act,
                 fused=config.fused_projections,
+                parallel=parallel,
             )
             self._ffn_name = "mlp"
         self.add_module(self._ffn_name, ffn)
@@ -67,20 +78,25 @@ class DecoderLayer(nn.Module):
         return [*self.self_attn.linear_weights(), *self.ffn.linear_weights()]
 
     def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
+        # With tensor parallelism attention and the MLP return partial sums: one all-reduce
+        # each completes them (no-ops at world size 1).
+        reduce = self.parallel.all_reduce
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), step, layer)
-            return x + self.ffn(self.post_attention_layernorm(x), step.gemm)
-        attn = self.self_attn(self.input_layernorm(x), step, layer)
+            x = x + reduce(self.self_attn(self.input_layernorm(x), step, layer))
+            return x + reduce(self.ffn(self.post_attention_layernorm(x), step.gemm))
+        attn = reduce(self.self_attn(self.input_layernorm(x), step, layer))
         x = x + self.post_attention_layernorm(attn)
-        mlp = self.ffn(self.pre_feedforward_layernorm(x), step.gemm)
+        mlp = reduce(self.ffn(self.pre_feedforward_layernorm(x), step.gemm))
         return x + self.post_feedforward_layernorm(mlp)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, parallel) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset
         )
@@ -96,15 +112,20 @@ class CausalLM(nn.Module):
     ``gemm.prepack`` on, ``models.weights.pack_weights`` replaces the linear weights by their
     packed form (one copy: the parameters then hold placeholders); change weights after
     that only through ``models.weights`` (``copy_weights``), which unpacks what it writes.
+
+    With a ``parallel`` context of world size N (``models.parallel_layers``) the model holds
+    this rank's shard of every weight (``weight_shards`` says which part of each full
+    tensor), runs its share of each layer, and returns the full logits on every rank.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head: nn.Linear | None = None
+        self.parallel = parallel = parallel or ParallelContext()
+        self.model = DecoderModel(config, parallel)
+        self.lm_head: ParallelLMHead | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
         ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
         self.rotary = [RotaryEmbedding(rope, config.head_dim) for rope in ropes]
         self.head = LinearWeights([self.lm_head]) if self.lm_head is not None else None
@@ -112,10 +133,12 @@ class CausalLM(nn.Module):
         self.use_kernels = True
         """Use tgengine's compiled CPU kernels where they apply (``models.kernels``)."""
         self.requires_grad_(False)
+        self.weight_shards = shard_map(self)
+        """``{parameter name: its Shard of the checkpoint's full tensor}``."""
 
     def _kernel_fits(self, kv_cache: KVCache) -> bool:
         c = self.config
-        groups = c.num_heads // c.num_kv_heads
+        groups = local_heads(c, self.parallel) // local_kv_heads(c, self.parallel)
         return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
 
     def linear_weights(self) -> list[LinearWeights]:
@@ -150,6 +173,7 @@ class CausalLM(nn.Module):
             x = x[inputs.logits_rows]
         x = self.model.norm(x)
         head = self.head if self.head is not None else self.model.embed_tokens.weight
-        logits = self.gemm.linear(x, head).float()
+        local = self.gemm.linear(x, head)
+        logits = gather_logits(local, c.vocab_size, self.parallel).float()
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

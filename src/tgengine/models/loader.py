@@ -13,6 +13,8 @@ from tgengine.errors import ModelLoadError
 from tgengine.models.config import ModelConfig, resolve_dtype
 from tgengine.models.llama import CausalLM
 from tgengine.models.safetensors_reader import StoredTensor, stored_tensors
+from tgengine.models.shard import Shard
+from tgengine.parallel import ParallelContext
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -42,12 +44,18 @@ def iter_stored(model_dir: str | Path) -> Iterator[tuple[str, StoredTensor]]:
 
 
 def _read(
-    stored: StoredTensor, model_dir: str | Path, into: torch.Tensor | None = None
+    stored: StoredTensor,
+    model_dir: str | Path,
+    into: torch.Tensor | None = None,
+    shard: Shard | None = None,
 ) -> torch.Tensor:
     try:
         if into is None:
             return stored.read()
-        stored.copy_into(into)
+        if shard is None:
+            stored.copy_into(into)
+        else:
+            shard.read_into(stored, into)
         return into
     except (OSError, ValueError) as exc:
         raise _unreadable(model_dir, stored.file, exc) from exc
@@ -63,16 +71,22 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str,
     device: torch.device | str,
+    parallel: ParallelContext | None = None,
 ) -> CausalLM:
     """Build a ``CausalLM`` on ``device`` in ``dtype`` and fill every parameter from disk.
 
     ``dtype`` may be a string as ``resolve_dtype`` takes it ("auto", "bfloat16", ...).
-    Raises ``ModelLoadError`` for a missing, unexpected or wrongly shaped tensor.
+    With ``parallel``, the model of that rank: only its shard of each tensor is read.
+    Raises ``ModelLoadError`` for a missing, unexpected or wrongly shaped tensor, or a
+    model that does not split over the tensor-parallel size.
     """
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, config)
-    with torch.device("meta"):
-        model = CausalLM(config)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(config, parallel)
+    except ValueError as exc:  # a size that does not split over the ranks
+        raise ModelLoadError(str(model_dir), f"tensor parallelism: {exc}") from exc
     # On meta these casts cost nothing; to_empty then allocates each parameter once.
     model.to(dtype=dtype)
     model.to_empty(device=device)
@@ -81,8 +95,12 @@ def load_model(
 
 
 def weight_specs(model: CausalLM) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """``{checkpoint name: (shape, dtype)}`` of every parameter the model loads."""
-    return {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+    """``{checkpoint name: (full shape, dtype)}`` of every parameter the model loads.
+
+    Full: the checkpoint's shape, also where this rank holds only a shard of it.
+    """
+    shards = model.weight_shards
+    return {name: (shards[name].full_shape, p.dtype) for name, p in model.named_parameters()}
 
 
 def load_weights(
@@ -94,7 +112,8 @@ def load_weights(
 ) -> set[str]:
     """Copy tensors into the model's parameters in place (cast to their dtype and device).
 
-    A ``StoredTensor`` (``iter_stored``) is read from disk straight into its parameter.
+    A ``StoredTensor`` (``iter_stored``) is read from disk straight into its parameter, and
+    only the parameter's shard of it (``CausalLM.weight_shards``); a tensor is the full one.
 
     Returns the names loaded. Names like ``rotary_emb.inv_freq`` are ignored, and so is
     ``lm_head.weight`` when the model ties it to the embedding. With ``strict``, every
@@ -103,6 +122,7 @@ def load_weights(
     copied, so validate against ``weight_specs`` first when a partial update is unacceptable.
     """
     params = dict(model.named_parameters())
+    shards = model.weight_shards
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
@@ -113,16 +133,17 @@ def load_weights(
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(source, f"unexpected tensor {name!r}")
-            if tensor.shape != param.shape:
+            shard = shards[name]
+            if tensor.shape != shard.full_shape:
                 raise ModelLoadError(
                     source,
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}",
+                    f"expected {tuple(shard.full_shape)}",
                 )
             if isinstance(tensor, StoredTensor):
-                _read(tensor, source, into=param)
+                _read(tensor, source, into=param, shard=shard)
             else:
-                param.copy_(tensor)
+                shard.copy_into(tensor, param)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if strict and missing:

@@ -15,16 +15,22 @@ from torch import nn
 from tgengine.models.config import MoEConfig
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.layers import MLP
+from tgengine.parallel import ParallelContext
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig, act: str) -> None:
+    """The router is whole on every rank; each expert holds the rank's share of its rows, so
+    the output is a partial sum over ranks (one all-reduce for all experts, by the caller)."""
+
+    def __init__(
+        self, hidden_size: int, moe: MoEConfig, act: str, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         self.top_k = moe.top_k
         self.normalize_top_k = moe.normalize_top_k
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            MLP(hidden_size, moe.intermediate_size, act, names=moe.expert_names)
+            MLP(hidden_size, moe.intermediate_size, act, names=moe.expert_names, parallel=parallel)
             for _ in range(moe.num_experts)
         )
         self.router = LinearWeights([self.gate])

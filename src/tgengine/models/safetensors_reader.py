@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -61,17 +62,45 @@ class StoredTensor:
         nbytes = self.end - self.begin
         if out.numel() * out.element_size() != nbytes:
             raise ValueError(f"{self.name}: {nbytes} bytes on disk, {tuple(out.shape)} expected")
+        with open(self.file, "rb", buffering=0) as f:
+            self._read_at(f, self.begin, out)
+
+    def copy_slice_into(self, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with ``tensor.narrow(dim, start, stop - start)``, reading only that.
+
+        ``dim`` is 0 (rows: one contiguous read) or 1 (columns: one read per row).
+        """
+        direct = out.device.type == "cpu" and out.dtype == self.dtype and out.is_contiguous()
+        target = out if direct else torch.empty(out.shape, dtype=self.dtype)
+        expected = list(self.shape)
+        expected[dim] = stop - start
+        if list(target.shape) != expected or dim not in (0, 1) or not 0 <= start <= stop:
+            raise ValueError(
+                f"{self.name}: slice {start}:{stop} of dim {dim} does not fit {tuple(out.shape)}"
+            )
+        element = target.element_size()
+        row_bytes = (self.end - self.begin) // max(1, self.shape[0])
+        with open(self.file, "rb", buffering=0) as f:
+            if dim == 0:
+                self._read_at(f, self.begin + start * row_bytes, target)
+            else:
+                for row in range(target.shape[0]):
+                    self._read_at(f, self.begin + row * row_bytes + start * element, target[row])
+        if not direct:
+            out.copy_(target)
+
+    def _read_at(self, f: BinaryIO, position: int, out: torch.Tensor) -> None:
+        nbytes = out.numel() * out.element_size()
         if nbytes == 0:
             return
         view = out.detach().view(-1).view(torch.uint8).numpy().data
-        with open(self.file, "rb", buffering=0) as f:
-            f.seek(self.begin)
-            done = 0
-            while done < nbytes:
-                count = f.readinto(view[done:])
-                if not count:
-                    raise ValueError(f"{self.name}: the file ends before its data does")
-                done += count
+        f.seek(position)
+        done = 0
+        while done < nbytes:
+            count = f.readinto(view[done:])  # type: ignore[attr-defined]
+            if not count:
+                raise ValueError(f"{self.name}: the file ends before its data does")
+            done += count
 
 
 def stored_tensors(file: Path) -> Iterator[StoredTensor]:

@@ -19,7 +19,14 @@ from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import RMSNorm
+from tgengine.models.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    local_heads,
+    local_kv_heads,
+)
 from tgengine.models.rope import apply_rotary
+from tgengine.parallel import ParallelContext
 
 
 @dataclass
@@ -38,27 +45,29 @@ class StepContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """This rank's heads (all of them at world size 1); the output is a partial sum over ranks."""
+
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = local_heads(config, parallel)
+        self.num_kv_heads = local_kv_heads(config, parallel)
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.window = config.window_of(layer)
         self.rope_index = 1 if config.local_rope is not None and self.window is not None else 0
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
+        hidden, dim, bias = config.hidden_size, config.head_dim, config.attention_bias
+        q = (config.num_heads, dim, False)
+        kv = (config.num_kv_heads, dim, True)  # shared by several ranks if they outnumber it
         projs: list[nn.Linear]
         if config.fused_projections:
-            self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+            self.qkv_proj = ColumnParallelLinear(hidden, [q, kv, kv], parallel, bias=bias)
             projs = [self.qkv_proj]
         else:
-            self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-            self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-            self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+            self.q_proj = ColumnParallelLinear(hidden, [q], parallel, bias=bias)
+            self.k_proj = ColumnParallelLinear(hidden, [kv], parallel, bias=bias)
+            self.v_proj = ColumnParallelLinear(hidden, [kv], parallel, bias=bias)
             projs = [self.q_proj, self.k_proj, self.v_proj]
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(config.num_heads, dim, hidden, parallel)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:

@@ -30,8 +30,10 @@ def drop_packed(model: CausalLM) -> None:
 
 
 def copy_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy tensors into the parameters named (validated by the caller), packed ones included."""
+    """Copy full tensors into the parameters named (validated by the caller), packed ones
+    included; a sharded parameter takes its shard (``CausalLM.weight_shards``)."""
     params = dict(model.named_parameters())
+    shards = model.weight_shards
     owner: dict[int, LinearWeights] = {}
     for weights in model.linear_weights():
         for p in weights.params:
@@ -44,7 +46,7 @@ def copy_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> 
             if packed is not None and packed.packed is not None:
                 model.gemm.unpack(packed)
                 repack.append(packed)
-            param.data.copy_(tensor)
+            shards[name].copy_into(tensor, param.data)
     for weights in repack:
         model.gemm.pack(weights)
 
