@@ -1,9 +1,11 @@
-"""Tensor parallelism at size 2 on the model side: two spawned gloo ranks, one ModelAgent each.
+"""Tensor parallelism at size 2: two gloo ranks on the CPU, each with its shard.
 
 Greedy tokens at size 2 equal transformers' (float32, prompts with a clear top-1 margin) for
-every architecture family; the ranks agree on cache errors; a bad weight update leaves every
-rank unchanged and a good one reaches every shard; each rank holds about half the weights
-and half the KV cache. One group of ranks serves every case (process start is the slow part).
+every architecture family, on one group of spawned ranks that serves model after model
+(``tp_harness``: an engine's worker start per model would cost too much); one rank's cache
+error is every rank's; each rank reads only its shard. Then an ``Engine`` on the ``mp``
+executor at size 2: tokens, half the weights and KV per rank, a bad weight update refused
+by every rank, a good one reaching every shard, sleep and wakeup.
 """
 
 from __future__ import annotations
@@ -12,18 +14,31 @@ from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
+from tgengine import Engine, InvalidRequestError
+from tgengine._faults import FaultPlan
+from tgengine.executor.worker import Execute
 from tgengine.models import KVCache, iter_safetensors, load_model, load_model_config
 from tgengine.models.weights import resident_bytes
 from tgengine.sampling import SamplingParams
 from tgengine.step import SeqStep, StepBatch, StepResult
 
-from engine_helpers import hf_greedy, hf_greedy_with_margin, make_prompts, tiny_config
+from engine_helpers import (
+    TIMEOUT,
+    generate_all,
+    greedy,
+    hf_greedy,
+    hf_greedy_with_margin,
+    make_prompts,
+    tiny_config,
+    tokens_of,
+)
 from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
-from tp_harness import RankError, RankGroup
+from tp_harness import RankGroup
 
 WORLD_SIZE = 2
 MAX_TOKENS = 6
@@ -92,7 +107,7 @@ def greedy_tokens(
 
 def group_execute(group: RankGroup) -> Callable[[StepBatch], StepResult]:
     def execute(batch: StepBatch) -> StepResult:
-        driver, *others = group.call("execute", batch)
+        driver, *others = group.call(Execute(batch))
         assert all(not r.token_ids for r in others), "only rank 0 samples"
         return driver
 
@@ -121,10 +136,10 @@ def test_greedy_tokens_at_size_2_equal_transformers(
 def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: Path) -> None:
     """Rank 1 alone finds s1's cache not ready: s1 fails on every rank, s0 and s2 go on."""
     prompts = make_prompts(vocab_size=384, count=3)
-    ranks.load(tiny_config(tiny_llama_dir), cache_not_ready={1: {1: {"s1"}}})
+    faults = FaultPlan(cache_not_ready_at={1: {"s1"}}, ranks=frozenset({1}))
+    ranks.load(tiny_config(tiny_llama_dir))
     try:
-        results = ranks.call("execute", prefill_batch(prompts, 1))
-        flags = ranks.call_each("agree_any", [[True, False, False], [False, False, True]])
+        results = ranks.call(Execute(prefill_batch(prompts, 1), 0, faults))
     finally:
         ranks.unload()
     assert [set(r.errors) for r in results] == [{"s1"}, {"s1"}]
@@ -132,7 +147,6 @@ def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: 
     assert "injected fault" in results[1].errors["s1"]
     first = [hf_greedy(tiny_llama_dir, p, 1)[0] for p in prompts]
     assert results[0].token_ids == {"s0": first[0], "s2": first[2]}
-    assert flags == [[True, False, True]] * WORLD_SIZE
 
 
 def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
@@ -174,60 +188,75 @@ def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
         assert torch.equal(torch.cat([half[name] for half in halves]), full[name])
 
 
-def test_weight_updates_check_full_tensors_and_reach_every_shard(
-    ranks: RankGroup, tmp_path: Path
-) -> None:
-    old_dir = make_tiny_model_dir(tmp_path / "old", arch="phi3")
-    new_dir = make_tiny_model_dir(tmp_path / "new", arch="phi3", seed=1)
-    prompts = make_prompts(vocab_size=384, count=2)
+@pytest.mark.anyio
+async def test_engine_at_size_2_on_mp(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """One engine on two ``mp`` ranks: tokens, half the memory per rank, weight updates
+    (a shard-shaped tensor refused by every rank), sleep and wakeup at both levels."""
+    before = child_pids()
+    new_dir = make_tiny_model_dir(tmp_path, arch="llama", seed=1)
+    prompts = make_prompts(vocab_size=384, count=4)
     old, new = [], []
     for prompt in prompts:
-        for model_dir, expected in ((old_dir, old), (new_dir, new)):
+        for model_dir, expected in ((tiny_llama_dir, old), (new_dir, new)):
             tokens, margin = hf_greedy_with_margin(model_dir, prompt, MAX_TOKENS)
             assert margin > MIN_MARGIN
             expected.append(tokens)
     assert old != new
+    share = half_share(tiny_llama_dir)
     named = list(iter_safetensors(new_dir))
-    # One rank's shard of the fused q/k/v rows is not the full tensor: every rank refuses.
-    bad = [(n, t[: t.shape[0] // 2] if n.endswith("qkv_proj.weight") else t) for n, t in named]
-    ranks.load(tiny_config(old_dir))
-    try:
-        for method in ("check_weights", "update_weights"):
-            answers = ranks.call(method, bad, raise_errors=False)
-            assert all(isinstance(a, RankError) for a in answers), method
-            assert all("InvalidRequestError" in str(a) for a in answers), method
-        assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == old
-        ranks.call("check_weights", named)
-        ranks.call("update_weights", named)
-        assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == new
-    finally:
-        ranks.unload()
+    # One rank's rows of q_proj, not the full tensor: every rank refuses it.
+    bad = [(n, t[: t.shape[0] // 2] if n.endswith("q_proj.weight") else t) for n, t in named]
+    config = tiny_config(
+        tiny_llama_dir,
+        executor="mp",
+        tensor_parallel_size=2,
+        num_blocks=12,
+        max_num_batched_tokens=16,
+    )
+    engine = Engine(config)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            results = await generate_all(engine, prompts, greedy(MAX_TOKENS))
+            assert [tokens_of(r) for r in results] == old
+            assert engine.stats().num_preemptions_total > 0, "meant to run out of blocks"
+            stats = engine.memory_stats()
+            assert sorted(stats) == ["rank0:cpu", "rank1:cpu"]
+            weights, kv = share(config.num_blocks or 0)
+            for mine in stats.values():
+                assert abs(mine.weights_bytes - weights) <= 0.01 * weights
+                assert mine.kv_cache_bytes == kv
+
+            with pytest.raises(InvalidRequestError, match="q_proj"):
+                await engine.update_weights(bad)
+            assert engine.weight_version == 0
+            results = await generate_all(engine, prompts, greedy(MAX_TOKENS))
+            assert [tokens_of(r) for r in results] == old
+            await engine.update_weights(named)
+            assert engine.weight_version == 1
+            results = await generate_all(engine, prompts, greedy(MAX_TOKENS))
+            assert [tokens_of(r) for r in results] == new
+
+            for level in (1, 2):
+                await engine.sleep(level)
+                for mine in engine.memory_stats().values():
+                    assert (mine.weights_bytes, mine.kv_cache_bytes) == (0, 0)
+                await engine.wakeup()
+                results = await generate_all(engine, prompts[:2], greedy(MAX_TOKENS))
+                # Level 2 reloads from disk: the checkpoint's weights, not the update's.
+                assert [tokens_of(r) for r in results] == (new if level == 1 else old)[:2]
+            tg.cancel_scope.cancel()
+    assert child_pids() == before
 
 
-def test_each_rank_holds_half_and_sleeps_and_wakes(ranks: RankGroup, tiny_llama_dir: Path) -> None:
-    config = tiny_config(tiny_llama_dir)
-    model_config = load_model_config(tiny_llama_dir)
-    full = load_model(model_config, tiny_llama_dir, torch.float32, "cpu")
-    full_weights = resident_bytes(full)
-    replicated = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
-    prompts = make_prompts(vocab_size=384, count=2)
-    expected = [hf_greedy(tiny_llama_dir, p, MAX_TOKENS) for p in prompts]
-    infos = ranks.load(config)
-    try:
-        full_kv = KVCache.bytes_per_block(model_config, 4, torch.float32) * infos[0].num_blocks
-        for stats in ranks.call("memory_stats"):
-            (mine,) = stats.values()
-            assert mine.kv_cache_bytes == full_kv // 2
-            share = (full_weights - replicated) // 2 + replicated
-            assert abs(mine.weights_bytes - share) <= 0.01 * full_weights
-        for level in (1, 2):
-            ranks.call("sleep", level)
-            for stats in ranks.call("memory_stats"):
-                (mine,) = stats.values()
-                assert (mine.weights_bytes, mine.kv_cache_bytes) == (0, 0)
-            reloaded = ranks.call("wakeup", "weights")
-            assert reloaded == [level == 2] * WORLD_SIZE
-            ranks.call("wakeup", "kv_cache")
-            assert greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS) == expected
-    finally:
-        ranks.unload()
+def half_share(model_dir: Path) -> Callable[[int], tuple[int, int]]:
+    """What one of two ranks holds: ``(weight bytes, KV bytes for num_blocks)``, float32.
+
+    Every weight splits in two but the norms, which each rank holds whole.
+    """
+    config = load_model_config(model_dir)
+    full = load_model(config, model_dir, torch.float32, "cpu")
+    total = resident_bytes(full)
+    norms = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
+    per_block = KVCache.bytes_per_block(config, 4, torch.float32)
+    return lambda num_blocks: ((total - norms) // 2 + norms, per_block * num_blocks // 2)

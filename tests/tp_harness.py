@@ -1,10 +1,11 @@
-"""A bare tensor-parallel group for model tests: N spawned ranks, each a ``ModelAgent``.
+"""One tensor-parallel group of spawned ranks that serves one model after another.
 
-Each rank joins one gloo group once (process start and the rendezvous are the slow part) and
-then serves agents one after another: ``load(config)`` starts a ``ModelAgent(config,
-parallel=...)`` on every rank, ``call(method, arg)`` runs the same agent method on every rank
-and returns each rank's answer, ``unload()`` stops the agents. Plain synchronous calls over
-pipes, every wait bounded; the executors (``MPExecutor``) do this for real.
+An ``Engine`` with ``executor="mp"`` starts its worker processes for one model; the
+per-architecture tests would pay that start (seconds of imports per process) once per
+model. Here N processes are spawned once, and each ``load(config)`` runs the executors'
+own ``RankWorker`` (``executor.worker``: rendezvous, ``ModelAgent`` of that rank, command
+handling) on every one of them; ``call(command)`` sends the same worker command to every
+rank and returns each rank's answer. Plain synchronous calls over pipes, every wait bounded.
 """
 
 from __future__ import annotations
@@ -26,59 +27,51 @@ class RankError(Exception):
 
 class RankGroup:
     def __init__(self, world_size: int) -> None:
-        from tgengine.parallel import free_port
-
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
-        for rank in range(world_size):
+        for _ in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_rank_main, args=(rank, world_size, init_method, child), daemon=True
-            )
+            proc = ctx.Process(target=_rank_main, args=(child,), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def load(
-        self, config: Any, cache_not_ready: dict[int, dict[int, set[str]]] | None = None
-    ) -> list[Any]:
-        """Start every rank's agent on ``config``; each rank's ``AgentInfo``.
+    def load(self, config: Any) -> list[Any]:
+        """Start every rank on ``config`` (a fresh rendezvous); each rank's ``AgentInfo``."""
+        from tgengine.executor.worker import RankSpec
+        from tgengine.parallel import free_port
 
-        ``cache_not_ready``: ``{rank: {step: seq ids}}`` whose cache that rank finds not ready.
-        """
-        faults = cache_not_ready or {}
-        return self._all("load", [(config, faults.get(r)) for r in range(len(self.conns))])
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        n = self.world_size
+        specs = [RankSpec(config, r, n, init_method, follow_faults=True) for r in range(n)]
+        return self._all(specs)
 
-    def call(self, method: str, arg: Any = None, *, raise_errors: bool = True) -> list[Any]:
-        """``method(arg)`` on every rank's agent; each rank's answer (or ``RankError``)."""
-        return self._all(method, [arg] * len(self.conns), raise_errors)
-
-    def call_each(self, method: str, args: list[Any]) -> list[Any]:
-        """``method(args[rank])`` on every rank's agent; each rank's answer."""
-        return self._all(method, args)
+    def call(self, command: Any, *, raise_errors: bool = True) -> list[Any]:
+        """``RankWorker.handle(command)`` on every rank; each rank's answer (or RankError)."""
+        return self._all([command] * self.world_size, raise_errors)
 
     def unload(self) -> None:
-        self.call("unload")
+        self._all([None] * self.world_size)
 
     def close(self) -> None:
         for conn in self.conns:
-            conn.send(("exit", None))
+            conn.send(None)
         for proc in self.procs:
             proc.join(TIMEOUT)
             if proc.is_alive():
                 proc.kill()
                 proc.join(TIMEOUT)
 
-    def _all(self, method: str, args: list[Any], raise_errors: bool = True) -> list[Any]:
-        for conn, arg in zip(self.conns, args, strict=True):
-            conn.send((method, arg))
+    def _all(self, messages: list[Any], raise_errors: bool = True) -> list[Any]:
+        for conn, message in zip(self.conns, messages, strict=True):
+            conn.send(message)
         answers = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(TIMEOUT):
-                raise TimeoutError(f"rank {rank} did not answer {method!r} in {TIMEOUT} s")
+                raise TimeoutError(f"rank {rank} did not answer in {TIMEOUT} s")
             answers.append(conn.recv())
         failed = [a for a in answers if isinstance(a, RankError)]
         if failed and raise_errors:
@@ -86,61 +79,34 @@ class RankGroup:
         return answers
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, conn: Connection) -> None:
-    import torch
-
-    from tgengine.parallel import destroy_distributed, init_distributed
-
-    torch.set_num_threads(1)
-    parallel = init_distributed(rank, world_size, init_method, "cpu", timeout=TIMEOUT)
-    try:
-        while True:
-            method, arg = conn.recv()
-            if method == "exit":
-                return
-            if method == "load":
-                anyio.run(_serve, arg, parallel, conn)
-            else:
-                conn.send(RankError(f"no agent loaded for {method!r}"))
-    finally:
-        destroy_distributed()
+def _rank_main(conn: Connection) -> None:
+    """Serve one ``RankSpec`` after another until told to exit (None)."""
+    while (spec := conn.recv()) is not None:
+        anyio.run(_serve, spec, conn)
     conn.close()
-    os._exit(0)  # skip the interpreter's slow teardown (seconds on a busy machine)
+    os._exit(0)  # skip the interpreter's teardown (seconds on a busy machine)
 
 
-async def _serve(load: Any, parallel: Any, conn: Connection) -> None:
-    """Run one agent until ``unload``; answers every call on ``conn``."""
-    from tgengine._faults import FaultInjector
-    from tgengine.model_agent import ModelAgent
+async def _serve(spec: Any, conn: Connection) -> None:
+    """Run one rank until None comes; answers every command on ``conn``."""
+    from tgengine.executor.worker import RankWorker
 
-    config, cache_not_ready = load
-    faults = FaultInjector(cache_not_ready_at=cache_not_ready) if cache_not_ready else None
-    agent = ModelAgent(config, faults, parallel)
+    worker = RankWorker(spec)
     async with anyio.create_task_group() as tg:
         try:
-            info = await tg.start(agent.run)
+            info = await tg.start(worker.run)
         except Exception as exc:
             conn.send(_rank_error(exc))
             return
         conn.send(info)
-        while True:
-            method, arg = await anyio.to_thread.run_sync(conn.recv)
-            if method == "unload":
-                tg.cancel_scope.cancel()
-                conn.send(None)
-                return
+        while (command := await anyio.to_thread.run_sync(conn.recv)) is not None:
             try:
-                if method == "memory_stats":
-                    answer: Any = agent.memory_stats()
-                elif method == "parallel":
-                    answer = agent.parallel
-                elif method == "agree_any":
-                    answer = agent.parallel.agree_any(arg)
-                else:
-                    answer = await getattr(agent, method)(arg)
+                answer = await worker.handle(command)
             except Exception as exc:
                 answer = _rank_error(exc)
             conn.send(answer)
+        tg.cancel_scope.cancel()
+    conn.send(None)
 
 
 def _rank_error(exc: BaseException) -> RankError:
