@@ -44,7 +44,7 @@ WORLD_SIZE = 2
 MAX_TOKENS = 6
 MIN_MARGIN = 1e-3
 ARCHS: dict[str, tuple[str, dict[str, object]]] = {
-    "llama": ("llama", {}),
+    # (plain Llama: test_engine_at_size_2_on_mp)
     # tied head, q/k/v bias, a vocabulary padded to split evenly
     "qwen2-odd-vocab": ("qwen2", {"vocab_size": 385}),
     "qwen3": ("qwen3", {}),
