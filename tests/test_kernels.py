@@ -126,3 +126,22 @@ def test_gemm_takes_the_half_kernel_for_few_rows(monkeypatch: pytest.MonkeyPatch
         gemm.linear(torch.randn(rows, 64).to(torch.bfloat16), weight)
     gemm.linear(torch.randn(1, 64), weight.float())  # float32: oneDNN's
     assert calls == [1, gemm_module.HALF_KERNEL_MAX_ROWS]
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for panel_linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (97, 64), (50, 1536), (7, 20)])
+def test_panel_linear_matches_the_float32_product(dtype: torch.dtype, n: int, k: int) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(n, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    panels = kernels.pack_panels(weight)
+    assert panels.shape == (-(-n // kernels.PANEL), k, kernels.PANEL)
+    assert torch.equal(kernels.unpack_panels(panels, n), weight), "packing is exact"
+    for rows in (*range(1, 14), 40):  # every tile height (6 .. 1) and several tiles
+        x = torch.randn(rows, k).to(dtype)
+        for b in (None, bias):
+            want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            got = kernels.panel_linear(x, panels, n, b)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=0.02, rtol=0.01)

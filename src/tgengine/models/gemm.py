@@ -3,12 +3,14 @@
 A linear product's weight is a ``LinearWeights``: one parameter, or several fused as row
 blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
 
-- **packed** (``Gemm.pack``, when ``prepack`` is on and oneDNN packs this dtype on this CPU:
-  float32 everywhere, bf16/fp16 with AVX-512 or AVX-NE-CONVERT): the weight reordered once
-  into oneDNN's blocked layout, and the parameters' own storage released (they keep their
-  names, shapes and dtypes, over a one-element placeholder). Every row count runs on it.
-  ``Gemm.unpack`` gives the plain form back, exactly (``to_dense``), before anything writes
-  into the parameters.
+- **packed** (``Gemm.pack``, when ``prepack`` is on): the weight reordered once, and the
+  parameters' own storage released (they keep their names, shapes and dtypes, over a
+  one-element placeholder). Where oneDNN packs this dtype on this CPU (float32 everywhere,
+  bf16/fp16 with AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout; bf16/fp16
+  elsewhere (AVX2), into tgengine's 16-row ``Panels`` for ``kernels.panel_linear``, which
+  widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
+  below). Every row count runs on it. ``Gemm.unpack`` gives the plain form back, exactly
+  (``to_dense``), before anything writes into the parameters.
 - **plain**: the parameters themselves. Up to ``HALF_KERNEL_MAX_ROWS`` rows in bf16/fp16
   (decode of a few sequences) run tgengine's own kernel (``kernels.half_linear``: the weight
   widened to float32 in registers, one pass over it for every 4 rows; 2.5-4x ATen's GEMV
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,13 +62,34 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return True
 
 
+def can_pack_panels(dtype: torch.dtype) -> bool:
+    """Whether ``Panels`` (tgengine's packed bf16/fp16 layout and kernel) apply on this CPU."""
+    return dtype in _HALF and kernels.has_half_linear()
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A bf16/fp16 weight of ``rows`` rows packed by ``kernels.pack_panels``."""
+
+    data: torch.Tensor
+    rows: int
+
+    def to_dense(self) -> torch.Tensor:
+        return kernels.unpack_panels(self.data, self.rows)
+
+
+def _nbytes(packed: torch.Tensor | Panels) -> int:
+    data = packed.data if isinstance(packed, Panels) else packed
+    return data.numel() * data.element_size()
+
+
 class LinearWeights:
     """The weight of one linear product: its modules' weights as row blocks, plain or packed."""
 
     def __init__(self, linears: Sequence[torch.nn.Linear]) -> None:
         # The modules, not their parameters: loading may replace a module's parameter objects.
         self._linears = tuple(linears)
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | Panels | None = None
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]:
@@ -102,8 +126,11 @@ class Gemm:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(weight, LinearWeights):
-            if weight.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+            packed = weight.packed
+            if isinstance(packed, Panels):
+                return kernels.panel_linear(x, packed.data, packed.rows, bias)
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
             weight = weight.plain()
         if x.device.type != "cpu" or x.dtype not in _HALF or not torch.backends.mkldnn.enabled:
             return F.linear(x, weight, bias)
@@ -126,7 +153,12 @@ class Gemm:
         return F.linear(x, weight, bias)
 
     def can_pack(self, weights: LinearWeights) -> bool:
-        return self.prepack and weights.device.type == "cpu" and can_prepack(weights.dtype)
+        dtype = weights.dtype
+        return (
+            self.prepack
+            and weights.device.type == "cpu"
+            and (can_prepack(dtype) or can_pack_panels(dtype))
+        )
 
     def pack(self, weights: LinearWeights) -> None:
         """Replace the plain weight by its packed form (a no-op where packing is off or absent).
@@ -135,12 +167,18 @@ class Gemm:
         """
         if weights.packed is not None or not self.can_pack(weights):
             return
+        packed: torch.Tensor | Panels
         with torch.inference_mode(False), torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weights.plain().detach())
+            plain = weights.plain().detach()
+            if can_prepack(plain.dtype):
+                packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+            else:
+                packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))
+            del plain
             for p in weights.params:
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
         weights.packed = packed
-        self.packed_bytes += packed.numel() * packed.element_size()
+        self.packed_bytes += _nbytes(packed)
 
     def unpack(self, weights: LinearWeights) -> None:
         """Give the parameters their plain values back (exact) and drop the packed form."""
@@ -159,7 +197,7 @@ class Gemm:
     def drop(self, weights: LinearWeights) -> None:
         """Forget the packed form without restoring the parameters (their values are discarded)."""
         if weights.packed is not None:
-            self.packed_bytes -= weights.packed.numel() * weights.packed.element_size()
+            self.packed_bytes -= _nbytes(weights.packed)
             weights.packed = None
 
 

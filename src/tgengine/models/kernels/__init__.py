@@ -1,8 +1,9 @@
 """CPU kernels tgengine compiles itself, once per machine, with a plain-torch fallback.
 
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
-``paged_attention.cpp``); ``half_linear`` runs few-row linear products on bf16/fp16 weights,
-widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C). The library is
+``paged_attention.cpp``); ``half_linear`` and ``panel_linear`` run linear products on
+bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
+the latter on a weight packed once into 16-row panels (``pack_panels``). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
 by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
@@ -73,9 +74,9 @@ def load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
-    fn = lib.tg_half_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    for fn in (lib.tg_half_linear, lib.tg_panel_linear):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
     lib.tg_half_linear_available.restype = ctypes.c_int
     return lib
 
@@ -191,20 +192,55 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Accumulates in float32 and rounds once (the order of the sums differs from oneDNN's). Call
     it only where ``has_half_linear()``; costs one pass over the weight per call.
     """
+    weight = weight.contiguous()
+    return _half_product("tg_half_linear", x, weight, weight.shape[0], bias)
+
+
+PANEL = 16  # output rows side by side in one panel (half_linear.cpp's kPanel)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[n, k]`` as ``[ceil(n / 16), k, 16]`` panels (rows past ``n`` are zero)."""
+    n, k = weight.shape
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ``[rows, k]`` weight ``pack_panels`` packed, exactly."""
+    num_panels, k, width = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * width, k)[:rows].contiguous()
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, rows: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``panels = pack_panels(weight)`` of ``rows`` rows.
+
+    Any number of rows of ``x``; summed in float32 and rounded once, as ``half_linear``.
+    """
+    return _half_product("tg_panel_linear", x, panels, rows, bias)
+
+
+def _half_product(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     lib = load()
     if lib is None or x.dtype not in HALF_LINEAR_DTYPES or weight.dtype != x.dtype:
-        raise RuntimeError("half_linear called where the kernel does not apply")
+        raise RuntimeError(f"{kernel} called where the kernel does not apply")
+    if not weight.is_contiguous():
+        raise RuntimeError(f"{kernel}: the weight must be contiguous")
     x = x.contiguous()
-    weight = weight.contiguous()
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype)
-    status = lib.tg_half_linear(
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    status = getattr(lib, kernel)(
         _DTYPES[x.dtype],
         x.data_ptr(),
-        rows,
+        m,
         k,
         weight.data_ptr(),
         n,
@@ -213,5 +249,5 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         torch.get_num_threads(),
     )
     if status != 0:
-        raise RuntimeError(f"half-linear kernel refused the shapes (status {status})")
+        raise RuntimeError(f"{kernel} refused the shapes (status {status})")
     return out

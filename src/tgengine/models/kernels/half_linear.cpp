@@ -139,6 +139,81 @@ void linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* w, int64_t
   }
 }
 
+// ---- Panels: the weight packed once into [n / 16][k][16] (16 output rows side by side), so
+// one k step is two 8-wide vectors of w, and each row of x is broadcast: MR x 16 outputs in
+// 2 * MR accumulators, the register blocking of a float32 GEMM with the weight widened as it
+// is loaded. Every row count runs on it, from one-row decode to prefill.
+constexpr int kPanel = 16;
+
+// One row of x against the panel's 16 columns, when the tile has that row.
+#define TG_PANEL_ROW(R)                                              \
+  if constexpr (MR > R) {                                            \
+    const __m256 xv = _mm256_broadcast_ss(x + R * k + i);            \
+    a##R##0 = _mm256_fmadd_ps(xv, w0, a##R##0);                      \
+    a##R##1 = _mm256_fmadd_ps(xv, w1, a##R##1);                      \
+  }
+
+template <int Dtype, int MR>
+inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const float* bias,
+                       int64_t n0, int64_t n, uint16_t* out) {
+  static_assert(1 <= MR && MR <= 6, "6 x 2 accumulators fill the 16 AVX registers");
+  // Named accumulators, not an array: GCC keeps an array in memory and stores it every step.
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w0 = widen8<Dtype>(panel + i * kPanel);
+    const __m256 w1 = widen8<Dtype>(panel + i * kPanel + 8);
+    TG_PANEL_ROW(0)
+    TG_PANEL_ROW(1)
+    TG_PANEL_ROW(2)
+    TG_PANEL_ROW(3)
+    TG_PANEL_ROW(4)
+    TG_PANEL_ROW(5)
+  }
+  alignas(32) float rows[6][kPanel];
+  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                            {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(rows[r], acc[r][0]);
+    _mm256_store_ps(rows[r] + 8, acc[r][1]);
+  }
+  const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < width; ++c)
+      out[r * n + n0 + c] = float_to_half(rows[r][c] + (bias ? bias[n0 + c] : 0.f), Dtype);
+}
+#undef TG_PANEL_ROW
+
+template <int Dtype>
+void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
+                  const uint16_t* bias_h, uint16_t* out, int threads) {
+  std::vector<float> x(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) x[i] = half_to_float(xh[i], Dtype);
+  std::vector<float> bias;
+  if (bias_h) {
+    bias.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) bias[i] = half_to_float(bias_h[i], Dtype);
+  }
+  const float* b = bias_h ? bias.data() : nullptr;
+  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t m6 = m - m % 6;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < num_panels; ++p) {
+    const uint16_t* panel = panels + p * k * kPanel;
+    const int64_t n0 = p * kPanel;
+    int64_t r = 0;
+    for (; r < m6; r += 6) panel_tile<Dtype, 6>(&x[r * k], k, panel, b, n0, n, out + r * n);
+    switch (m - r) {
+      case 5: panel_tile<Dtype, 5>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 4: panel_tile<Dtype, 4>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 3: panel_tile<Dtype, 3>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 2: panel_tile<Dtype, 2>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 1: panel_tile<Dtype, 1>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, const void* w,
@@ -158,12 +233,35 @@ extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, co
   return 0;
 }
 
+extern "C" int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k,
+                               const void* panels, int64_t n, const void* bias, void* out,
+                               int threads) {
+  auto xs = static_cast<const uint16_t*>(x);
+  auto ps = static_cast<const uint16_t*>(panels);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
+  if (dtype == kBf16) {
+    panel_linear<kBf16>(xs, m, k, ps, n, bs, os, threads);
+  } else if (dtype == kF16) {
+    panel_linear<kF16>(xs, m, k, ps, n, bs, os, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
 extern "C" int tg_half_linear_available() { return 1; }
 
 #else  // no AVX2/FMA/F16C: the torch paths run instead
 
 extern "C" int tg_half_linear(int, const void*, int64_t, int64_t, const void*, int64_t,
                               const void*, void*, int) {
+  return 3;
+}
+
+extern "C" int tg_panel_linear(int, const void*, int64_t, int64_t, const void*, int64_t,
+                               const void*, void*, int) {
   return 3;
 }
 
