@@ -18,7 +18,7 @@ import anyio
 import pytest
 import torch
 
-from tgengine import Engine, InvalidRequestError
+from tgengine import Engine, InvalidRequestError, ModelLoadError
 from tgengine._faults import FaultPlan
 from tgengine.executor.worker import Execute
 from tgengine.models import KVCache, iter_safetensors, load_model, load_model_config
@@ -43,6 +43,7 @@ from tp_harness import RankGroup
 WORLD_SIZE = 2
 MAX_TOKENS = 6
 MIN_MARGIN = 1e-3
+BF16_MARGIN = 0.25
 ARCHS: dict[str, tuple[str, dict[str, object]]] = {
     # (plain Llama: test_engine_at_size_2_on_mp)
     # tied head, q/k/v bias, a vocabulary padded to split evenly
@@ -186,6 +187,37 @@ def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
         assert torch.equal(half[layer + "mlp.gate_up_proj.weight"], mine)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(torch.cat([half[name] for half in halves]), full[name])
+    # Another dtype than the checkpoint's: the slice is read, then cast.
+    rank1 = load_model(config, model_dir, torch.bfloat16, "cpu", ParallelContext(1, 2))
+    o_proj = dict(rank1.named_parameters())[layer + "self_attn.o_proj.weight"]
+    assert torch.equal(o_proj, full[layer + "self_attn.o_proj.weight"][:, q:].bfloat16())
+
+
+def test_a_model_that_does_not_split_is_refused(tiny_llama_dir: Path) -> None:
+    from tgengine.parallel import ParallelContext
+
+    config = load_model_config(tiny_llama_dir)  # 4 query heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="tensor-parallel size 3"):
+        load_model(config, tiny_llama_dir, torch.float32, "meta", ParallelContext(0, 3))
+
+
+def test_bfloat16_at_size_2(ranks: RankGroup, tmp_path: Path) -> None:
+    """Half-precision all-reduces and products on sharded weights (tokens close to float32's)."""
+    model_dir = make_tiny_model_dir(tmp_path, arch="qwen3")
+    prompts = make_prompts(vocab_size=384, count=2)
+    ranks.load(tiny_config(model_dir, dtype="bfloat16"))
+    try:
+        tokens = greedy_tokens(group_execute(ranks), prompts, MAX_TOKENS)
+    finally:
+        ranks.unload()
+    # The first token wherever float32's top-1 leads by more than bf16's rounding.
+    clear = 0
+    for prompt, got in zip(prompts, tokens, strict=True):
+        (first,), margin = hf_greedy_with_margin(model_dir, prompt, 1)
+        if margin > BF16_MARGIN:
+            assert got[0] == first
+            clear += 1
+    assert clear, "no prompt has a clear first token; pick others"
 
 
 @pytest.mark.anyio

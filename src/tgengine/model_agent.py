@@ -35,7 +35,7 @@ from .models import (
     weight_specs,
 )
 from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
-from .parallel import ParallelContext
+from .parallel import ParallelContext, local_cuda
 from .sampler import Sampler
 from .step import SeqStep, StepBatch, StepResult
 from .step_sampler import sample_step
@@ -408,12 +408,12 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _pick_device(device: str, parallel: ParallelContext) -> torch.device:
-    """The device asked for; with tensor parallelism a bare "cuda" is ``cuda:{rank}``."""
+    """The device asked for; with tensor parallelism a bare "cuda" is the rank's own GPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     picked = torch.device(device)
     if picked.type == "cuda" and picked.index is None and parallel.is_parallel:
-        return torch.device("cuda", parallel.rank)
+        return local_cuda(parallel.rank)
     return picked
 
 

@@ -72,7 +72,7 @@ def init_distributed(
     """Join the group of ``world_size`` ranks rendezvousing at ``init_method`` as ``rank``.
 
     ``init_method`` is ``"tcp://127.0.0.1:PORT"`` (see ``free_port``); ``device_type`` is
-    ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, and this process's device becomes ``cuda:rank``).
+    ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, and this process's device becomes ``local_cuda``).
     Both backends are kept on the loopback interface. ``timeout`` (seconds) bounds the
     rendezvous and every collective; None keeps torch's default. Blocks until every rank
     has joined. At ``world_size`` 1 nothing is created.
@@ -87,7 +87,7 @@ def init_distributed(
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_cuda(rank))
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -102,6 +102,12 @@ def destroy_distributed() -> None:
     """Leave the group (a no-op when none was joined)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def local_cuda(rank: int) -> torch.device:
+    """Rank ``rank``'s GPU among those this process sees: ``cuda:rank`` when it sees them all
+    (``mp`` on one machine), ``cuda:0`` when it sees only its own (a Ray actor)."""
+    return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
 
 
 def free_port() -> int:
