@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -150,21 +151,29 @@ def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: 
     assert results[0].token_ids == {"s0": first[0], "s2": first[2]}
 
 
-def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
+def test_each_rank_reads_only_its_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loaded in one process as rank 0 and rank 1 of 2 (loading needs no collective)."""
+    from tgengine.models.safetensors_reader import StoredTensor
     from tgengine.parallel import ParallelContext
 
     model_dir = make_tiny_model_dir(tmp_path, arch="phi3", num_key_value_heads=1)
     config = load_model_config(model_dir)
     full = dict(iter_safetensors(model_dir))
-    halves = [
-        dict(
-            load_model(
-                config, model_dir, torch.float32, "cpu", ParallelContext(r, 2)
-            ).named_parameters()
-        )
-        for r in range(2)
-    ]
+    read = [0]
+    read_at = StoredTensor._read_at
+
+    def counted(self: StoredTensor, f: Any, position: int, out: torch.Tensor) -> None:
+        read[0] += out.numel() * out.element_size()
+        read_at(self, f, position, out)
+
+    monkeypatch.setattr(StoredTensor, "_read_at", counted)
+    halves = []
+    for r in range(2):
+        read[0] = 0
+        model = load_model(config, model_dir, torch.float32, "cpu", ParallelContext(r, 2))
+        halves.append(dict(model.named_parameters()))
+        # Bytes read from disk: exactly what the rank holds (float32 on both sides).
+        assert read[0] == sum(p.numel() * 4 for p in halves[-1].values())
     layer = "model.layers.0."
     # Fused q/k/v rows: each rank its 2 of 4 query heads, and the one KV head both.
     q, kv = 2 * 16, 16
