@@ -37,7 +37,7 @@ LONGROPE_FROM = 64
 # name: (factory arch, config overrides)
 ARCHS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3": ("qwen3", {}),
-    "mistral-window": ("mistral", {"sliding_window": 6}),
+    "mistral-window": ("mistral", {"sliding_window": 12}),
     "phi3": ("phi3", {}),
     # Longrope with half the head rotating; the sequences stay within the short factors'
     # range (test_longrope_long_factors checks the long ones).
@@ -94,7 +94,9 @@ async def test_greedy_tokens_equal_transformers(arch_dir: Path) -> None:
         tokens, margin = hf_greedy_with_margin(arch_dir, prompt, MAX_TOKENS)
         assert margin > MIN_MARGIN, "the reference's top-1 is not clear; pick another seed"
         expected.append(tokens)
-    config = tiny_config(arch_dir, max_num_batched_tokens=16, num_blocks=16)
+    # A window over every layer frees blocks as it goes: a smaller cache still preempts.
+    num_blocks = 13 if "window" in arch_dir.name else 16
+    config = tiny_config(arch_dir, max_num_batched_tokens=16, num_blocks=num_blocks)
     with anyio.fail_after(TIMEOUT):
         async with open_engine(config) as engine:
             results = await generate_all(engine, all_prompts, greedy(MAX_TOKENS))

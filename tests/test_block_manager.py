@@ -260,3 +260,53 @@ def test_reset_forgets_prefixes_and_resizes() -> None:
 def test_constructor_rejects_bad_sizes(num_blocks: int, block_size: int) -> None:
     with pytest.raises(ValueError):
         BlockManager(num_blocks, block_size)
+
+
+def test_blocks_behind_the_window_go_back_to_the_pool() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq("a", list(range(13)))
+    manager.allocate(seq)
+    held = list(seq.block_table)
+    compute_all(manager, seq)
+    # The next query is at 13 and reads keys 8..13 (window 6): blocks 0 and 1 are dead.
+    manager.release_out_of_window(seq, window=6)
+    assert seq.num_released_blocks == 2
+    assert seq.block_table == held[2:]
+    assert manager.num_used_blocks == 2
+    assert [manager.ref_count(b) for b in held] == [0, 0, 1, 1]
+    manager.check_invariants()
+    manager.release_out_of_window(seq, window=6)  # nothing more is dead
+    assert seq.num_released_blocks == 2 and manager.num_used_blocks == 2
+    # The next token's block is counted after the released ones.
+    for token in (13, 14, 15, 16):
+        seq.append_token(token)
+    assert manager.can_append(seq)
+    manager.append_slot(seq)
+    assert len(seq.block_table) == 3
+    manager.deallocate(seq)
+    assert seq.num_released_blocks == 0 and seq.block_table == []
+    assert manager.num_free_blocks == 8
+    manager.check_invariants()
+
+
+def test_a_released_block_is_a_prefix_hit_until_it_is_reused() -> None:
+    manager = BlockManager(num_blocks=5, block_size=4)
+    a = make_seq("a", list(range(13)))
+    manager.allocate(a)
+    released = a.block_table[:2]
+    compute_all(manager, a)
+    manager.release_out_of_window(a, window=6)
+    # Its KV is still there and depends on the prefix only: a prompt sharing it hits.
+    b = make_seq("b", [*range(8), 99])
+    manager.allocate(b)
+    assert b.block_table[:2] == released and b.num_cached_tokens == 8
+    manager.deallocate(b)
+    # Once the pool hands the blocks out for other content, nobody hits them any more.
+    c = make_seq("c", [50 + t for t in range(12)])
+    manager.allocate(c)
+    assert set(released) <= set(c.block_table)
+    manager.deallocate(c)
+    d = make_seq("d", [*range(8), 98])
+    manager.allocate(d)
+    assert d.num_cached_tokens == 0
+    manager.check_invariants()

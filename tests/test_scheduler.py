@@ -35,9 +35,15 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
     enable_prefix_caching: bool = True,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
-        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        enable_prefix_caching,
+        sliding_window,
     )
     return Scheduler(config)
 
@@ -263,6 +269,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 4),
         max_num_batched_tokens=st.integers(1, 24),
         enable_prefix_caching=st.booleans(),
+        sliding_window=st.one_of(st.none(), st.integers(1, 9)),
     )
     def setup(
         self,
@@ -271,11 +278,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool,
+        sliding_window: int | None,
     ) -> None:
         self.scheduler = make_scheduler(
-            num_blocks, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_prefix_caching,
+            sliding_window,
         )
         self.block_size = block_size
+        self.window = sliding_window
         # (block, offset) -> the context whose KV that slot holds.
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
         self.max_new: dict[str, int] = {}
@@ -363,10 +377,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq in scheduler.running:
             assert seq.status is SequenceStatus.RUNNING
             assert seq.num_computed_tokens < seq.num_tokens
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens
+            num_blocks = seq.num_released_blocks + len(seq.block_table)
+            assert num_blocks * self.block_size >= seq.num_computed_tokens
+            # Only blocks that no later query of the sequence reads are released.
+            first_read = self._first_read(seq, seq.num_computed_tokens)
+            assert seq.num_released_blocks * self.block_size <= first_read
         for seq in scheduler.waiting:
             assert seq.status is SequenceStatus.WAITING
             assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert seq.num_released_blocks == 0
         assert {s.seq_id for s in [*scheduler.running, *scheduler.waiting]} == set(self.live)
         if not self.live:
             assert manager.num_free_blocks == manager.num_blocks
@@ -396,14 +415,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             assert 1 <= num_new <= seq.num_tokens - start
-            assert len(seq.block_table) * size >= start + num_new
-            for pos in range(start):
-                slot = (seq.block_table[pos // size], pos % size)
+            first = seq.num_released_blocks
+            assert (first + len(seq.block_table)) * size >= start + num_new
+            for pos in range(self._first_read(seq, start), start):
+                slot = (seq.block_table[pos // size - first], pos % size)
                 assert self.kv.get(slot) == tuple(seq.token_ids[: pos + 1])
             for pos in range(start, start + num_new):
-                block = seq.block_table[pos // size]
+                block = seq.block_table[pos // size - first]
                 assert manager.ref_count(block) == 1  # never write a shared block
                 self.kv[(block, pos % size)] = tuple(seq.token_ids[: pos + 1])
+
+    def _first_read(self, seq: Sequence, position: int) -> int:
+        """The first key position that a query at ``position`` or later attends to."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
 
     def _finish_step(self, batch: ScheduledBatch) -> None:
         self.scheduler.update_after_step(batch)
@@ -428,3 +452,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+
+
+@pytest.mark.parametrize(("window", "max_held"), [(6, 3), (None, 16)])
+def test_a_long_decode_holds_only_the_window(window: int | None, max_held: int) -> None:
+    """Every layer local: blocks behind the window go back; otherwise every block is kept."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, sliding_window=window)
+    seq = make_seq("a", 5)
+    scheduler.add(seq)
+    peak = 0
+    while seq.num_tokens < 64:
+        batch = scheduler.schedule()
+        peak = max(peak, scheduler.block_manager.num_used_blocks)
+        scheduler.update_after_step(batch)
+        scheduler.block_manager.check_invariants()
+        seq.append_token(fake_next_token(seq.token_ids))
+    # ceil(window / block_size) blocks, plus one when the window straddles a block boundary.
+    assert peak == max_held
+    assert seq.num_released_blocks == (0 if window is None else 14)

@@ -95,7 +95,7 @@ class BlockManager:
         Sets ``num_computed_tokens`` (and ``num_cached_tokens``) to the tokens covered by hits.
         A hit never covers the last token, so at least one token is computed and sampled from.
         """
-        if seq.block_table:
+        if seq.block_table or seq.num_released_blocks:
             raise RuntimeError(f"sequence {seq.seq_id!r} already holds blocks")
         hits, num_needed = self._plan(seq)
         if num_needed > len(self._free):
@@ -128,18 +128,40 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         size = self._block_size
-        num_full = min(seq.num_computed_tokens // size, len(seq.block_table))
-        for i in range(len(seq.block_hashes), num_full):
+        first = seq.num_released_blocks
+        num_full = min(seq.num_computed_tokens // size, first + len(seq.block_table))
+        # Released blocks were registered before they went (``release_out_of_window``).
+        for i in range(max(len(seq.block_hashes), first), num_full):
             parent_hash = seq.block_hashes[i - 1] if i else None
             token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
             block_hash = hash_block(parent_hash, token_ids)
             seq.block_hashes.append(block_hash)
             # Another sequence may have computed the same content first: keep its block.
             if block_hash not in self._hash_to_block:
-                block = self.blocks[seq.block_table[i]]
+                block = self.blocks[seq.block_table[i - first]]
                 block.block_hash, block.parent_hash = block_hash, parent_hash
                 block.token_ids = token_ids
                 self._hash_to_block[block_hash] = block.block_id
+
+    def release_out_of_window(self, seq: Sequence, window: int) -> None:
+        """Give back the leading blocks of ``seq`` that no later query of it attends to.
+
+        With every layer attending to the last ``window`` keys only, the query at position
+        ``q`` reads keys ``q - window + 1 .. q``. The next query of ``seq`` is at
+        ``num_computed_tokens``, so a block whose keys all sit at or before
+        ``num_computed_tokens - window`` is dead for ``seq``. Its prefix registration (made by
+        ``mark_computed``, which must run first) stays until the block is reused, so a later
+        prompt with the same prefix can still hit it: its KV depends on that prefix only.
+        """
+        _check_positive("window", window)
+        num_dead = max(0, seq.num_computed_tokens - window + 1) // self._block_size
+        num_release = min(num_dead - seq.num_released_blocks, len(seq.block_table))
+        if num_release <= 0:
+            return
+        for block_id in seq.block_table[:num_release]:
+            self._release(block_id)
+        del seq.block_table[:num_release]
+        seq.num_released_blocks += num_release
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``, tail first so that its tail is reused first."""
@@ -147,6 +169,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
 
     def reset(self, num_blocks: int | None = None) -> None:
@@ -217,7 +240,8 @@ class BlockManager:
         return hits
 
     def _num_missing_blocks(self, seq: Sequence) -> int:
-        return max(0, _cdiv(seq.num_tokens, self._block_size) - len(seq.block_table))
+        num_held = seq.num_released_blocks + len(seq.block_table)
+        return max(0, _cdiv(seq.num_tokens, self._block_size) - num_held)
 
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -89,6 +89,7 @@ class EngineLoop:
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_prefix_caching=cfg.enable_prefix_caching,
+                sliding_window=info.model_config.kv_window,
             )
         )
         eos = frozenset(info.model_config.eos_token_ids)
@@ -194,6 +195,7 @@ class EngineLoop:
 def _seq_step(seq: Sequence, n: int, request: Request | None, sample: bool) -> SeqStep:
     start = seq.num_computed_tokens
     step = SeqStep(seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table))
+    step.num_released_blocks = seq.num_released_blocks
     if request is None:
         return step
     params = request.params

@@ -268,8 +268,9 @@ class ModelAgent:
             return "the KV cache is released (the engine is asleep)"
         bs = self._kv.block_size
         last_pos = seq.start_pos + len(seq.token_ids) - 1
-        if last_pos // bs >= len(seq.block_table):
-            return f"position {last_pos} has no block (block table of {len(seq.block_table)})"
+        first, num_blocks = seq.num_released_blocks, seq.num_released_blocks + len(seq.block_table)
+        if last_pos // bs >= num_blocks or seq.start_pos // bs < first:
+            return f"positions {seq.start_pos}..{last_pos} are not in blocks {first}..{num_blocks}"
         for block in seq.block_table:
             if not 0 <= block < self._kv.num_blocks:
                 return f"block {block} is not in the cache ({self._kv.num_blocks} blocks)"

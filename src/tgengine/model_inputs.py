@@ -13,7 +13,8 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
 
     Logits are computed, in sequence order, for each position that predicts a prompt token
     whose log probability is wanted (``seq.prompt_targets``), then for the last position of
-    each sequence that samples.
+    each sequence that samples. Released blocks (out of every layer's window) are read as
+    block 0, like the padding: the window masks them out.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -26,7 +27,7 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
     for seq in seqs:
         start = len(input_ids)
         n = len(seq.token_ids)
-        table = seq.block_table
+        table = [0] * seq.num_released_blocks + seq.block_table
         input_ids.extend(seq.token_ids)
         for pos in range(seq.start_pos, seq.start_pos + n):
             positions.append(pos)

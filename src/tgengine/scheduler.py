@@ -23,12 +23,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool = True
+    # Every layer attends to at most this many latest keys: blocks behind it are released.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+            _check_positive(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Scheduler:
     def update_after_step(self, batch: ScheduledBatch, failed: Collection[str] = ()) -> None:
         """Count the batch's tokens as computed; register newly full blocks for prefix hits.
 
+        With ``sliding_window`` set, blocks that fell out of the window are then released.
+
         Sequences finished (aborted) while the step ran are skipped, and so are the ``failed``
         ones (ids whose step did not compute their KV): their blocks must never be hit.
         """
@@ -147,6 +151,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.mark_computed(seq)
+            if self.config.sliding_window is not None:
+                self.block_manager.release_out_of_window(seq, self.config.sliding_window)
 
     def finish(self, seq: Sequence) -> None:
         """Remove ``seq`` from its queue and free its blocks. Idempotent."""
@@ -236,3 +242,8 @@ class Scheduler:
             num_new_tokens = min(seq.num_uncomputed_tokens, budget)
             batch.add(seq, num_new_tokens)
             budget -= num_new_tokens
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

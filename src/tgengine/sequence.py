@@ -19,8 +19,11 @@ class Sequence:
     ``num_computed_tokens`` counts the leading tokens whose KV is in the cache (prefix
     cache hits included). The model computes ``token_ids[num_computed_tokens:]`` in one
     or more steps (chunked prefill); a token is sampled once all of them are computed.
-    ``block_hashes[i]`` is the prefix hash of the full block ``block_table[i]``, known
-    once that block is full and computed.
+    ``block_table`` holds the blocks the sequence still owns, from its block number
+    ``num_released_blocks`` on: the leading blocks before it fell out of every layer's
+    sliding window and went back to the pool (zero unless every layer is local).
+    ``block_hashes[i]`` is the prefix hash of the sequence's full block number ``i``
+    (released ones included), known once that block is full and computed.
 
     ``leader`` is the first sequence of the same prompt (``n > 1``): this one is admitted
     only once the leader's prompt is computed, so that it reuses the leader's cached
@@ -36,6 +39,7 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0
     num_preemptions: int = 0
     leader: Sequence | None = None
     reuse_cached_prefix: bool = True

@@ -19,7 +19,8 @@ class SeqStep:
     request wants prompt log probabilities (``prompt_logprobs`` alternatives each): the
     prompt tokens that this chunk's positions predict, in order. ``token_bitmask`` (int32
     words, bit ``t`` set when token ``t`` is allowed) is set when the sequence's output is
-    constrained (structured outputs).
+    constrained (structured outputs). ``block_table`` starts at the sequence's block number
+    ``num_released_blocks``: the blocks before it fell out of every layer's sliding window.
     """
 
     seq_id: str
@@ -32,6 +33,7 @@ class SeqStep:
     prompt_targets: list[int] | None = None
     prompt_logprobs: int = 0
     token_bitmask: Any = None  # numpy int32 row, or None when unconstrained
+    num_released_blocks: int = 0
 
 
 @dataclass

@@ -93,6 +93,12 @@ class ModelConfig:
         """The sliding window of layer ``layer`` (None: it attends to every earlier key)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
+    @property
+    def kv_window(self) -> int | None:
+        """The widest window when every layer is local (older KV is read by no layer), or None."""
+        windows = [self.window_of(layer) for layer in range(self.num_layers)]
+        return None if None in windows else max(w for w in windows if w is not None)
+
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json`` (and ``generation_config.json`` if present), offline.
