@@ -186,6 +186,11 @@ def test_moe_model(
     result = run_bench(command, tiny_moe_dir, tmp_path, capsys=capsys)
     assert_roofline(result)
     assert all(row["system"] for row in result["rows"])
+    if command == "throughput":  # where the MoE forward's time went
+        split = result["details"]["tgengine"]["moe_forward_split"]
+        assert split.keys() == {"attention", "routing", "experts", "rest"}
+        assert all(0 < share < 1 for share in split.values()), split
+        assert sum(split.values()) == pytest.approx(1.0)
 
 
 def test_moe_costs_count_the_chosen_experts(tiny_moe_dir: Path) -> None:

@@ -158,6 +158,29 @@ class StepProfiler:
         }
 
 
+    def forward_split(self) -> dict[str, float]:
+        """Shares of the forwards' time in attention, MoE routing and the experts; {} if no MoE.
+
+        ``experts`` is the MoE blocks' time less their routing (grouping the rows by expert
+        included); ``rest`` is everything else in the forward (embedding, norms, dense MLPs,
+        the LM head). Meaningful on CPU only: on an accelerator the layers' times are launches.
+        """
+        forward = sum(end - start for start, end, _, _ in self.forwards)
+        if forward <= 0 or "moe" not in self.intervals:
+            return {}
+        spent = {n: sum(e - s for s, e in self.intervals.get(n, [])) for n in _SPLIT_PARTS}
+        split = {
+            "attention": spent["attention"] / forward,
+            "routing": spent["moe_routing"] / forward,
+            "experts": (spent["moe"] - spent["moe_routing"]) / forward,
+        }
+        split["rest"] = 1.0 - sum(split.values())
+        return split
+
+
+_SPLIT_PARTS = ("attention", "moe_routing", "moe")
+
+
 def _wrap(profiler: StepProfiler, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -178,7 +201,7 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
     ``extra`` names more helpers to time: ``(module or class, attribute, name)``.
     """
     from .. import detokenizer, model_agent, sampler, scheduler
-    from ..models import llama
+    from ..models import llama, moe, self_attention
 
     profiler = StepProfiler()
     patches: list[tuple[Any, str, Any]] = []
@@ -211,6 +234,10 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
     patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")
     patch(scheduler.Scheduler, "schedule", "schedule")
     patch(scheduler.Scheduler, "update_after_step", "update_after_step")
+    # Inside the forward: each layer's attention, and an MoE block's routing and whole time.
+    patch(self_attention.Attention, "forward", "attention")
+    patch(moe.SparseMoE, "route", "moe_routing")
+    patch(moe.SparseMoE, "forward", "moe")
     for owner, attr, name in extra:
         patch(owner, attr, name)
     try:

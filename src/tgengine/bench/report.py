@@ -125,6 +125,10 @@ def _throughput(result: dict[str, Any]) -> str:
             f"TTFT p50 {tg['ttft_s']['p50']:.2f} s, "
             f"inter-token p50 {1e3 * tg['inter_token_s']['p50']:.0f} ms"
         )
+        split = tg.get("moe_forward_split") or {}
+        if split:
+            shares = ", ".join(f"{part} {100 * share:.1f}%" for part, share in split.items())
+            out += f"\n{name}: MoE forward time: {shares}"
     return out
 
 

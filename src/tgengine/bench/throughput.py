@@ -62,6 +62,7 @@ async def _tgengine_mixed(setup: BenchSetup, requests: list[BenchRequest]) -> di
         "executor_timings": executor,
         "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
         "forward_fraction_of_wall": forward_s / wall if wall > 0 else 0.0,
+        "moe_forward_split": profiler.forward_split(),
         "ttft_s": percentiles([t.ttft for t in timings if t.ttft is not None]),
         "inter_token_s": percentiles([d for t in timings for d in t.inter_token]),
     }
