@@ -157,7 +157,6 @@ class StepProfiler:
             **parts,
         }
 
-
     def forward_split(self) -> dict[str, float]:
         """Shares of the forwards' time in attention, MoE routing and the experts; {} if no MoE.
 

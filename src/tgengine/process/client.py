@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,14 +20,7 @@ import anyio.abc
 from .._faults import FaultInjector
 from .._groups import root_cause
 from ..config import EngineConfig
-from ..errors import (
-    EngineDeadError,
-    EnginePausedError,
-    EngineSleepingError,
-    EngineStoppedError,
-    IllegalStateError,
-    InvalidRequestError,
-)
+from ..errors import EngineDeadError, EngineStoppedError, IllegalStateError
 from ..model_agent import MemoryStats
 from ..request_stats import EngineObserver
 from ..sampling import SamplingParams
@@ -37,13 +28,10 @@ from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats
 from ..tokenizer import load_tokenizer
 from .admission import Admission
+from .connection import Connection
 from .errors import EngineProcessExited, describe_status
 from .messages import (
-    Abort,
-    Call,
     Final,
-    Frame,
-    Generate,
     Output,
     Ready,
     Refused,
@@ -54,7 +42,9 @@ from .messages import (
     StepFinished,
     Stop,
 )
-from .remote_stream import RemoteRequest, RemoteStream
+from .remote_calls import RemoteCalls
+from .remote_requests import RemoteRequests
+from .remote_stream import RemoteStream
 from .spawn import spawn_child
 from .weights_file import remove_weights_dir, write_weights_dir
 from .wire import Channel
@@ -63,15 +53,6 @@ if TYPE_CHECKING:
     import torch
 
 S = EngineState
-# Refusals the child makes after the parent admitted (a race with a control call): the
-# request ends with this reason, as if admitted an instant before the state changed.
-REFUSED_AS_ABORT = (EngineStoppedError, EnginePausedError, EngineSleepingError, IllegalStateError)
-
-
-@dataclasses.dataclass
-class _PendingCall:
-    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
-    error: BaseException | None = None
 
 
 class ProcessEngine:
@@ -107,13 +88,11 @@ class ProcessEngine:
         self._final: Final | None = None
         self._snapshot: Snapshot | None = None
         self._snapshot_time = 0.0
-        self._requests: dict[int, RemoteRequest] = {}  # by key
-        self._keys_by_id: dict[str, int] = {}
-        self._calls: dict[int, _PendingCall] = {}
-        self._counter = itertools.count()
-        self._outbox, self._outgoing = anyio.create_memory_object_stream[Any](math.inf)
+        self._connection = Connection()
+        self._send = self._connection.send
+        self._requests = RemoteRequests(self._send)
+        self._calls = RemoteCalls(self._send)
         self._started = anyio.Event()
-        self._lost = anyio.Event()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -133,8 +112,14 @@ class ProcessEngine:
             process, channel = await self._spawn()
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._write_loop, channel)
-                    tg.start_soon(self._read_loop, channel, tg.cancel_scope)
+                    tg.start_soon(self._connection.write_loop, channel)
+                    tg.start_soon(
+                        self._connection.read_loop,
+                        channel,
+                        tg.cancel_scope,
+                        self._apply,
+                        self._dispatch,
+                    )
                     self._send(Setup(self.config, self._faults))
                     tokenizer = await anyio.to_thread.run_sync(
                         load_tokenizer, self.config.tokenizer or self.config.model
@@ -164,7 +149,7 @@ class ProcessEngine:
 
     async def _reap(self, process: anyio.abc.Process, channel: Channel) -> None:
         """Make sure the child is gone, and settle the state from how it went."""
-        went_by_itself = self._lost.is_set()
+        went_by_itself = self._connection.lost.is_set()
         await channel.aclose()  # the child sees end-of-stream: it stops now (grace 0)
         final = self._final
         clean = final is not None and final.cause is None
@@ -212,16 +197,15 @@ class ProcessEngine:
         self._end_all("error", f"engine died: {type(cause).__name__}: {cause}")
 
     def _end_all(self, reason: Literal["abort", "error"], error: str | None = None) -> None:
-        for request in list(self._requests.values()):
-            request.end(reason, error, self.weight_version)
-        self._requests.clear()
-        self._keys_by_id.clear()
-        for call in self._calls.values():
-            if self._state is S.DEAD:
-                call.error = EngineDeadError((error or "").removeprefix("engine died: "))
-            else:
-                call.error = IllegalStateError("finish the call", str(self._state))
-            call.done.set()
+        self._requests.end_all(reason, error, self.weight_version)
+        state = self._state
+
+        def call_error() -> BaseException:
+            if state is S.DEAD:
+                return EngineDeadError((error or "").removeprefix("engine died: "))
+            return IllegalStateError("finish the call", str(state))
+
+        self._calls.fail_all(call_error)
 
     # -- requests -------------------------------------------------------------------
 
@@ -237,17 +221,7 @@ class ProcessEngine:
         assert self._admission is not None
         params = params or SamplingParams()
         token_ids = self._admission.token_ids(prompt, params)
-        key = next(self._counter)
-        if request_id is None:
-            request_id = f"req-{key}"
-        elif request_id in self._keys_by_id:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        request = RemoteRequest(key, request_id, len(token_ids), send, n=params.n)
-        self._requests[key] = request
-        self._keys_by_id[request_id] = key
-        self._send(Generate(key, request_id, token_ids, params))
-        return RemoteStream(request, receive, self._let_go)
+        return self._requests.admit(token_ids, params, request_id)
 
     async def prepare_structured_outputs(self, params: SamplingParams) -> None:
         """As ``Engine.prepare_structured_outputs``: compile the constraint off the event
@@ -269,16 +243,7 @@ class ProcessEngine:
 
     def abort(self, request_id: str) -> None:
         """End a request with ``finish_reason="abort"`` (the chunk comes from the engine)."""
-        if self._keys_by_id.pop(request_id, None) is not None:
-            self._send(Abort(request_id))
-
-    def _let_go(self, request: RemoteRequest) -> None:
-        request.finished = True
-        request.send.close()
-        self._requests.pop(request.key, None)
-        if self._keys_by_id.get(request.request_id) == request.key:
-            del self._keys_by_id[request.request_id]
-            self._send(Abort(request.request_id))
+        self._requests.abort(request_id)
 
     # -- control --------------------------------------------------------------------
 
@@ -312,17 +277,9 @@ class ProcessEngine:
             remove_weights_dir(path)
 
     async def _call(self, method: str, *args: Any) -> None:
-        if self._state in (S.STARTING, S.STOPPED, S.DEAD) or self._lost.is_set():
+        if self._state in (S.STARTING, S.STOPPED, S.DEAD) or self._connection.lost.is_set():
             raise IllegalStateError(method.replace("_", " "), str(self._state))
-        call_id = next(self._counter)
-        call = self._calls[call_id] = _PendingCall()
-        self._send(Call(call_id, method, args))
-        try:
-            await call.done.wait()
-        finally:
-            self._calls.pop(call_id, None)
-        if call.error is not None:
-            raise call.error
+        await self._calls.call(method, *args)
 
     # -- introspection --------------------------------------------------------------
 
@@ -376,38 +333,7 @@ class ProcessEngine:
             last = self._snapshot_time - (snapshot.clock - last)
         return dataclasses.replace(stats, state=str(self._state), last_step_time=last)
 
-    # -- the connection -------------------------------------------------------------
-
-    def _send(self, message: Any) -> None:
-        if not self._lost.is_set():
-            self._outbox.send_nowait(message)
-
-    async def _write_loop(self, channel: Channel) -> None:
-        """Sends what ``_send`` queued, batched; returns only when cancelled or broken."""
-        while True:
-            batch = [await self._outgoing.receive()]
-            while True:
-                try:
-                    batch.append(self._outgoing.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            try:
-                await channel.send(batch)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                return  # the reader sees the end of the stream too
-
-    async def _read_loop(self, channel: Channel, scope: anyio.CancelScope) -> None:
-        """Dispatches the child's frames until its end of the socket closes."""
-        try:
-            while True:
-                frame: Frame = await channel.receive()
-                if frame.snapshot is not None:
-                    self._apply(frame.snapshot)
-                for message in frame.messages:
-                    self._dispatch(message)
-        except anyio.EndOfStream:
-            self._lost.set()
-            scope.cancel()
+    # -- what the engine process sends ----------------------------------------------
 
     def _apply(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
@@ -417,22 +343,9 @@ class ProcessEngine:
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, Output):
-            request = self._requests.get(message.key)
-            if request is None:
-                return  # let go of, or aborted here already
-            if not request.deliver(message.chunk):
-                self._let_go(request)
-            elif request.finished:
-                self._forget(request)
+            self._requests.deliver(message)
         elif isinstance(message, Refused):
-            request = self._requests.get(message.key)
-            if request is not None:
-                error = message.error
-                reason: Literal["abort", "error"] = (
-                    "abort" if isinstance(error, REFUSED_AS_ABORT) else "error"
-                )
-                request.end(reason, str(error), self.weight_version)
-                self._forget(request)
+            self._requests.refuse(message, self.weight_version)
         elif isinstance(message, StepFinished):
             for observer in self.observers:
                 observer.step_finished(message.num_batched_tokens)
@@ -440,10 +353,7 @@ class ProcessEngine:
             for observer in self.observers:
                 observer.request_finished(message.stats)
         elif isinstance(message, Reply):
-            call = self._calls.get(message.call_id)
-            if call is not None:
-                call.error = message.error
-                call.done.set()
+            self._calls.reply(message)
         elif isinstance(message, Ready):
             self._ready = message
             if self._snapshot is not None and self._state is S.STARTING:
@@ -451,8 +361,3 @@ class ProcessEngine:
             self._started.set()
         elif isinstance(message, Final):
             self._final = message
-
-    def _forget(self, request: RemoteRequest) -> None:
-        self._requests.pop(request.key, None)
-        if self._keys_by_id.get(request.request_id) == request.key:
-            del self._keys_by_id[request.request_id]
