@@ -1,13 +1,14 @@
-"""The ``mp`` executor: the same tokens as in-process, control calls on every rank, faults.
+"""The ``mp`` executor with one worker: the same tokens as in-process, control calls, a hang.
 
-Every test counts this process's children before and after (no worker may survive).
+A killed or raising rank is tested with two ranks (test_mp_tensor_parallel.py), where the
+other rank is left inside a collective. Every test counts this process's children before
+and after (no worker may survive).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import anyio
@@ -16,7 +17,6 @@ import pytest
 from tgengine import Engine, EngineDeadError, EngineState, InvalidRequestError
 from tgengine._faults import FaultInjector
 from tgengine.engine_loop import StepTimeoutError
-from tgengine.executor import WorkerExited, WorkerFailed
 from tgengine.models import iter_safetensors
 
 from engine_helpers import (
@@ -34,10 +34,6 @@ from process_helpers import child_pids, worker_pids
 pytestmark = pytest.mark.anyio
 PROMPTS = [[3 + i, 40, 41 + 2 * i, 50, 60 + i, 7] for i in range(4)]
 ENDLESS = greedy(10_000)
-
-
-class Boom(RuntimeError):
-    pass
 
 
 def mp_config(model_dir: Path, **overrides: object):  # type: ignore[no-untyped-def]
@@ -86,52 +82,6 @@ async def test_one_worker_serves_like_uni_and_obeys_every_control_call(
             engine.stop()
     assert [c.finish_reason for c in consumers] == ["length", "length", "error", "length"]
     assert "cache not ready" in (consumers[2].chunks[-1].error or "").lower()
-    assert child_pids() == before
-
-
-async def test_a_killed_worker_errors_every_request_at_once(tiny_llama_dir: Path) -> None:
-    before = child_pids()
-    engine = Engine(mp_config(tiny_llama_dir))
-    consumers = [Consumer(engine, p, ENDLESS) for p in PROMPTS]
-    with anyio.fail_after(TIMEOUT):
-        with pytest.RaisesGroup(EngineDeadError) as info:
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                await stream_all(tg, consumers)
-                (pid,) = worker_pids()
-                os.kill(pid, signal.SIGKILL)
-                killed = time.monotonic()
-                for c in consumers:
-                    await c.done.wait()
-                ended = time.monotonic() - killed
-                await anyio.sleep_forever()
-    assert ended < 2.0
-    assert [c.finish_reason for c in consumers] == ["error"] * len(PROMPTS)
-    cause = info.value.exceptions[0].__cause__
-    assert isinstance(cause, WorkerExited) and cause.rank == 0
-    assert "rank 0" in str(cause) and "SIGKILL" in str(cause)
-    assert "SIGKILL" in (consumers[0].chunks[-1].error or "")
-    assert engine.state is EngineState.DEAD
-    assert child_pids() == before
-
-
-async def test_a_rank_that_raises_names_its_error(tiny_llama_dir: Path) -> None:
-    before = child_pids()
-    faults = FaultInjector()
-    engine = Engine(mp_config(tiny_llama_dir), _faults=faults)
-    consumers = [Consumer(engine, p, ENDLESS) for p in PROMPTS]
-    with anyio.fail_after(TIMEOUT):
-        with pytest.RaisesGroup(EngineDeadError) as info:
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                await stream_all(tg, consumers)
-                faults.raise_at[faults.num_steps + 2] = Boom("injected in the worker")
-                await anyio.sleep_forever()
-    cause = info.value.exceptions[0].__cause__
-    assert isinstance(cause, WorkerFailed) and cause.rank == 0
-    assert "Boom: injected in the worker" in str(cause)
-    assert [c.finish_reason for c in consumers] == ["error"] * len(PROMPTS)
-    assert "Boom" in (consumers[0].chunks[-1].error or "")
     assert child_pids() == before
 
 

@@ -10,8 +10,10 @@ call fails at once with a ``WorkerError`` that names the rank (the engine dies o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import statistics
 import time
 from typing import Any
 
@@ -61,10 +63,24 @@ class StepTimings:
     num_steps: int = 0
     round_trip_s: float = 0.0
     worker_s: float = 0.0
+    recent: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=10_000)
+    )  # each recent step's round trip minus worker time
+
+    def add(self, round_trip: float, worker: float) -> None:
+        self.num_steps += 1
+        self.round_trip_s += round_trip
+        self.worker_s += worker
+        self.recent.append(round_trip - worker)
 
     @property
     def overhead_per_step_s(self) -> float:
+        """The mean; on a busy machine the tail (waiting for a core) weighs on it."""
         return (self.round_trip_s - self.worker_s) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def median_overhead_s(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 @dataclasses.dataclass
@@ -275,7 +291,5 @@ class MPExecutor:
         if call.error is not None:
             raise call.error
         if call.is_step:
-            self.timings.num_steps += 1
-            self.timings.round_trip_s += time.perf_counter() - start
-            self.timings.worker_s += call.elapsed
+            self.timings.add(time.perf_counter() - start, call.elapsed)
         return [call.results[rank] for rank in range(len(self._ranks))]
