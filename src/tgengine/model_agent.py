@@ -89,9 +89,13 @@ class ModelAgent:
         config: EngineConfig,
         faults: FaultInjector | None = None,
         parallel: ParallelContext | None = None,
+        model_config: ModelConfig | None = None,
     ) -> None:
         self.config = config
         self._faults = faults
+        # Read once by the caller, when it has it (a worker process gets it from its parent:
+        # reading config.json goes through transformers, seconds of imports).
+        self._model_config = model_config
         self.parallel = parallel or ParallelContext()
         self._model: CausalLM | None = None
         self._kv: KVCache | None = None
@@ -184,7 +188,7 @@ class ModelAgent:
 
     def _load(self) -> AgentInfo:
         cfg = self.config
-        model_config = load_model_config(cfg.model)
+        model_config = self._model_config or load_model_config(cfg.model)
         dtype = resolve_dtype(cfg.dtype, model_config)
         device = _pick_device(cfg.device, self.parallel)
         if cfg.num_threads or device.type == "cpu":

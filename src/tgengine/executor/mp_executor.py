@@ -24,6 +24,7 @@ import torch
 from .._faults import FaultInjector
 from ..config import EngineConfig
 from ..model_agent import AgentInfo, MemoryStats
+from ..models import load_model_config
 from ..parallel import free_port
 from ..process.spawn import spawn_child
 from ..process.weights_file import remove_weights_dir, write_weights_dir
@@ -42,7 +43,8 @@ from .worker import (
 )
 
 WORKER_MODULE = "tgengine.executor.mp_worker"
-EXIT_STATUS_WAIT = 1.0  # seconds to wait for a dead worker's exit status
+EXIT_STATUS_WAIT = 0.5  # seconds to wait for a dead worker's exit status
+SETTLE_TIMEOUT = 1.0  # seconds the other ranks get to answer (or die) after one failed
 FAULT_SHUTDOWN = 1.0  # seconds workers get to exit after a fault or an abandoned step
 
 
@@ -85,19 +87,41 @@ class StepTimings:
 
 @dataclasses.dataclass
 class _Call:
-    """One command broadcast to every rank; done at the last reply or the first error."""
+    """One command broadcast to every rank.
+
+    ``done`` at the last reply or the first error; ``settled`` once every rank replied or
+    is gone. After an error the caller waits (briefly) for ``settled``: a rank that died
+    makes the others fail in a collective, and the dead rank is the cause to report.
+    """
 
     num_ranks: int
     is_step: bool
     results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
     elapsed: float = 0.0  # the slowest rank's own time
-    error: BaseException | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    settled: anyio.Event = dataclasses.field(default_factory=anyio.Event)
 
-    def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
+    def answer(self, rank: int, result: Any, elapsed: float) -> None:
+        self.results[rank] = result
+        self.elapsed = max(self.elapsed, elapsed)
+        self._check()
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        self.errors.setdefault(rank, error)
         self.done.set()
+        self._check()
+
+    def _check(self) -> None:
+        if len(self.results) + len(self.errors) >= self.num_ranks:
+            self.done.set()
+            self.settled.set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """A lost rank if any (the others' errors follow from it), else the first error."""
+        lost = [e for e in self.errors.values() if isinstance(e, WorkerExited)]
+        return lost[0] if lost else next(iter(self.errors.values()), None)
 
 
 class MPExecutor:
@@ -147,9 +171,12 @@ class MPExecutor:
                 for rank in range(n):
                     process, channel = await spawn_child(WORKER_MODULE)
                     self._ranks.append(_Rank(rank, process, channel))
-                    spec = RankSpec(self.config, rank, n, init_method, follow_faults=follow)
-                    await channel.send(spec)
-                    tg.start_soon(self._read, self._ranks[-1])
+                # While the workers import torch; this process has transformers already.
+                model_config = await anyio.to_thread.run_sync(load_model_config, self.config.model)
+                for r in self._ranks:
+                    spec = RankSpec(self.config, r.rank, n, init_method, follow, model_config)
+                    await r.channel.send(spec)
+                    tg.start_soon(self._read, r)
                 for r in self._ranks:
                     await r.loaded.wait()
                 task_status.started(self._merged_info())
@@ -202,12 +229,9 @@ class MPExecutor:
             return  # its caller was cancelled
         if response.error is not None:
             error = response.error
-            call.fail(WorkerFailed(rank, error) if call.is_step else error)
+            call.fail(rank, WorkerFailed(rank, error) if call.is_step else error)
             return
-        call.results[rank] = response.result
-        call.elapsed = max(call.elapsed, response.elapsed)
-        if len(call.results) == call.num_ranks:
-            call.done.set()
+        call.answer(rank, response.result, response.elapsed)
 
     def _lose(self, lost: WorkerError) -> bool:
         """Fail every pending call with ``lost``; True when a step was among them."""
@@ -215,7 +239,7 @@ class MPExecutor:
         had_step = False
         for call in self._calls.values():
             had_step = had_step or call.is_step
-            call.fail(lost)
+            call.fail(lost.rank, lost)
         return had_step
 
     async def _reap(self) -> None:
@@ -282,13 +306,18 @@ class MPExecutor:
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                         pass  # that worker is gone: its reader fails this call
             await call.done.wait()
+            if call.errors:
+                with anyio.move_on_after(SETTLE_TIMEOUT):
+                    await call.settled.wait()
         except BaseException:
-            if not call.done.is_set():
+            if not call.settled.is_set():
                 self._abandoned = True  # a rank may still be in it: do not wait long for it
             raise
         finally:
             del self._calls[call_id]
         if call.error is not None:
+            if call.is_step:  # the engine dies of it: the other ranks may be stuck
+                self._fault = self._fault or call.error
             raise call.error
         if call.is_step:
             self.timings.add(time.perf_counter() - start, call.elapsed)

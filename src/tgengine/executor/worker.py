@@ -18,7 +18,7 @@ import torch
 from .._faults import FaultInjector, FaultPlan
 from ..config import EngineConfig
 from ..model_agent import AgentInfo, MemoryStats, ModelAgent
-from ..models import iter_safetensors
+from ..models import ModelConfig, iter_safetensors
 from ..parallel import ParallelContext, destroy_distributed, init_distributed
 from ..step import StepBatch, StepResult
 
@@ -34,6 +34,8 @@ class RankSpec:
 
     ``init_method`` is the group's rendezvous (``tcp://127.0.0.1:PORT`` on one machine);
     None at ``world_size`` 1. ``follow_faults``: a test injects faults (see ``Execute``).
+    ``model_config``: config.json as the executor read it (None: the rank reads it; that
+    imports transformers, seconds of a worker's start).
     """
 
     config: EngineConfig
@@ -41,6 +43,7 @@ class RankSpec:
     world_size: int
     init_method: str | None = None
     follow_faults: bool = False
+    model_config: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,9 @@ class RankWorker:
                 abandon_on_cancel=True,
             )
         try:
-            self._agent = ModelAgent(spec.config, self._faults, parallel=parallel)
+            self._agent = ModelAgent(
+                spec.config, self._faults, parallel=parallel, model_config=spec.model_config
+            )
             async with anyio.create_task_group() as tg:
                 info = await tg.start(self._agent.run)
                 task_status.started(info)
