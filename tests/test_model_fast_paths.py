@@ -16,6 +16,7 @@ from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights, Panels, can_pack_panels, can_prepack
+from tgengine.models.weights import pack_weights
 from tgengine.sampling import SamplingParams
 from tgengine.step import SeqStep
 
@@ -28,10 +29,12 @@ def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _prefill_then_decode(model: CausalLM, prompts: list[list[int]]) -> torch.Tensor:
+def _prefill_then_decode(
+    model: CausalLM, prompts: list[list[int]], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Prefill every prompt in one step, then one decode step of all; the decode logits."""
     config = model.config
-    cache = KVCache.allocate(config, 128, BLOCK_SIZE, torch.float32, "cpu")
+    cache = KVCache.allocate(config, 128, BLOCK_SIZE, dtype, "cpu")
     blocks = list(range(128))
     random.Random(0).shuffle(blocks)
     tables, seqs = [], []
@@ -163,6 +166,28 @@ def test_packed_weights_replace_the_plain_ones(dtype: torch.dtype) -> None:
     gemm.unpack(weights)
     assert weights.packed is None and gemm.packed_bytes == 0
     assert torch.equal(weights.plain(), plain), "unpacking is exact"
+
+
+@pytest.mark.skipif(not can_pack_panels(torch.bfloat16), reason="no panels on this CPU")
+def test_a_tied_head_packs_into_panels_that_the_embedding_reads(tiny_qwen2_dir: Path) -> None:
+    # The tied head is the embedding: packed once into panels (oneDNN's layout gives no rows
+    # back), its lookups read the panels and its placeholder holds nothing.
+    config = load_model_config(tiny_qwen2_dir)
+    assert config.tie_word_embeddings
+    plain = load_model(config, tiny_qwen2_dir, torch.bfloat16, "cpu")
+    packed = load_model(config, tiny_qwen2_dir, torch.bfloat16, "cpu")
+    packed.gemm.prepack = True
+    pack_weights(packed)
+    assert isinstance(packed.head.packed, Panels)
+    embed = packed.model.embed_tokens
+    assert embed.weight.untyped_storage().nbytes() <= embed.weight.element_size()
+    ids = torch.tensor([0, 1, 15, 16, 17, config.vocab_size - 1, 16])
+    assert torch.equal(embed(ids), F.embedding(ids, plain.model.embed_tokens.weight))
+    prompts = _prompts(config.vocab_size, [5, 9, 2])
+    got = _prefill_then_decode(packed, [list(p) for p in prompts], torch.bfloat16)
+    want = _prefill_then_decode(plain, [list(p) for p in prompts], torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_upcast_products_match_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,10 @@ class Panels:
     def to_dense(self) -> torch.Tensor:
         return kernels.unpack_panels(self.data, self.rows)
 
+    def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, ``[len(ids), k]`` (an embedding lookup)."""
+        return self.data[ids // kernels.PANEL, :, ids % kernels.PANEL]
+
 
 def _nbytes(packed: torch.Tensor | Panels) -> int:
     data = packed.data if isinstance(packed, Panels) else packed
@@ -84,16 +89,21 @@ def _nbytes(packed: torch.Tensor | Panels) -> int:
 
 
 class LinearWeights:
-    """The weight of one linear product: its modules' weights as row blocks, plain or packed."""
+    """The weight of one linear product: its modules' weights as row blocks, plain or packed.
 
-    def __init__(self, linears: Sequence[torch.nn.Linear]) -> None:
+    ``rows_read``: an embedding lookup reads its rows too (a tied output head), so it may
+    only be packed into a layout that gives rows back (``Panels``, not oneDNN's).
+    """
+
+    def __init__(self, linears: Sequence[torch.nn.Module], *, rows_read: bool = False) -> None:
         # The modules, not their parameters: loading may replace a module's parameter objects.
         self._linears = tuple(linears)
+        self.rows_read = rows_read
         self.packed: torch.Tensor | Panels | None = None
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]:
-        return tuple(linear.weight for linear in self._linears)
+        return tuple(cast(torch.Tensor, module.weight) for module in self._linears)
 
     def plain(self) -> torch.Tensor:
         """The ``[sum of rows, in_features]`` weight; only while not packed."""
@@ -154,11 +164,8 @@ class Gemm:
 
     def can_pack(self, weights: LinearWeights) -> bool:
         dtype = weights.dtype
-        return (
-            self.prepack
-            and weights.device.type == "cpu"
-            and (can_prepack(dtype) or can_pack_panels(dtype))
-        )
+        onednn = can_prepack(dtype) and not weights.rows_read
+        return self.prepack and weights.device.type == "cpu" and (onednn or can_pack_panels(dtype))
 
     def pack(self, weights: LinearWeights) -> None:
         """Replace the plain weight by its packed form (a no-op where packing is off or absent).
@@ -170,7 +177,7 @@ class Gemm:
         packed: torch.Tensor | Panels
         with torch.inference_mode(False), torch.no_grad():
             plain = weights.plain().detach()
-            if can_prepack(plain.dtype):
+            if can_prepack(plain.dtype) and not weights.rows_read:
                 packed = torch.ops.mkldnn._reorder_linear_weight(plain)
             else:
                 packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))

@@ -128,7 +128,11 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, parallel)
         ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
         self.rotary = [RotaryEmbedding(rope, config.head_dim) for rope in ropes]
-        self.head = LinearWeights([self.lm_head]) if self.lm_head is not None else None
+        self.head = (
+            LinearWeights([self.lm_head])
+            if self.lm_head is not None
+            else self.model.embed_tokens.as_head
+        )
         self.gemm = Gemm()
         self.use_kernels = True
         """Use tgengine's compiled CPU kernels where they apply (``models.kernels``)."""
@@ -142,12 +146,12 @@ class CausalLM(nn.Module):
         return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
 
     def linear_weights(self) -> list[LinearWeights]:
-        """Every linear product's weight (the tied head, which the embedding reads, excluded)."""
+        """Every linear product's weight, the output head's last (tied or not)."""
         found: list[LinearWeights] = []
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             found += layer.linear_weights()
-        return [*found, self.head] if self.head is not None else found
+        return [*found, self.head]
 
     def forward(self, inputs: ForwardInputs, kv_cache: KVCache) -> torch.Tensor:
         """Float32 logits ``[len(inputs.logits_rows), vocab_size]`` (all rows if it is None).
@@ -172,8 +176,7 @@ class CausalLM(nn.Module):
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
         x = self.model.norm(x)
-        head = self.head if self.head is not None else self.model.embed_tokens.weight
-        local = self.gemm.linear(x, head)
+        local = self.gemm.linear(x, self.head)
         logits = gather_logits(local, c.vocab_size, self.parallel).float()
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgengine.models.config import ModelConfig
+from tgengine.models.gemm import LinearWeights, Panels
 from tgengine.models.shard import Shard, padded_split, split_units, whole
 from tgengine.parallel import ParallelContext
 
@@ -76,14 +77,22 @@ class VocabParallelEmbedding(nn.Embedding):
         self.first = first
         full = torch.Size([vocab_size, hidden_size])
         self.shards = {"weight": Shard(full, 0, ((first, first + count),))}
+        self.as_head = LinearWeights([self], rows_read=True)
+        """The weight as a tied output head's; when that packs it, lookups read the panels."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel.is_parallel:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local_ids = input_ids - self.first
         mine = (local_ids >= 0) & (local_ids < self.num_embeddings)
-        x = F.embedding(local_ids.masked_fill(~mine, 0), self.weight)
+        x = self._rows(local_ids.masked_fill(~mine, 0))
         return self.parallel.all_reduce(x.masked_fill(~mine[:, None], 0))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = self.as_head.packed
+        if isinstance(packed, Panels):
+            return packed.rows_at(ids)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(nn.Linear):
