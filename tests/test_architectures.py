@@ -82,8 +82,10 @@ def test_checkpoint_names_are_the_model_names(arch_dir: Path) -> None:
     assert {name for name, _ in iter_safetensors(arch_dir)} == set(weight_specs(model))
     owned = {id(p) for w in model.linear_weights() for p in w.params}
     linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    # Every linear layer but a tied head is a LinearWeights block (packing, one copy).
-    assert len(owned) == len(linear)
+    tied = config.tie_word_embeddings
+    # Every linear layer, and a tied head's embedding, is a LinearWeights block (packing).
+    assert len(owned) == len(linear) + tied
+    assert (id(model.model.embed_tokens.weight) in owned) == tied
 
 
 @pytest.mark.anyio

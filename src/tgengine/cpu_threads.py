@@ -1,7 +1,7 @@
 """How many CPU threads torch should use here: the count that runs a decode step fastest.
 
 ``fastest_thread_count`` times 1..cores (at most 8) threads on what a decode step does — a
-small-batch GEMM pair through the engine's own GEMM routing, with a float32 norm and an
+small-batch GEMM pair through the engine's own GEMM routing (packed, as by default), with a float32 norm and an
 activation in between — in three interleaved rounds, and keeps each count's worst round. A
 big GEMM alone, or one short round, would mislead: on shared or quota-limited machines (VMs
 with more vCPUs than CPU time) every parallel region can stall for milliseconds, now and
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from tgengine.models.gemm import Gemm
+from tgengine.models.gemm import Gemm, LinearWeights
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,12 @@ def fastest_thread_count(dtype: torch.dtype, seconds: float) -> tuple[int, dict[
     """
     candidates = list(range(1, min(available_cores(), 8) + 1))
     gemm = Gemm()
+    gemm.prepack = True  # the engine's default: packed weights where packing applies
     x = torch.randn(32, 576).to(dtype)
-    w_in = torch.randn(1536, 576).to(dtype)
-    w_out = torch.randn(576, 1536).to(dtype)
+    w_in = LinearWeights([torch.nn.Linear(576, 1536, bias=False).to(dtype)])
+    w_out = LinearWeights([torch.nn.Linear(1536, 576, bias=False).to(dtype)])
+    gemm.pack(w_in)
+    gemm.pack(w_out)
 
     def layer() -> torch.Tensor:
         h = x.float()
