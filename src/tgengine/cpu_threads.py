@@ -2,13 +2,13 @@
 
 ``fastest_thread_count`` times 1..cores (at most 8) threads on what a decode step does — a
 small-batch GEMM pair through the engine's own GEMM routing (packed, as by default), with a
-float32 norm and an activation in between — in three interleaved rounds, and keeps each count's worst round. A
-big GEMM alone, or one short round, would mislead: on shared or quota-limited machines (VMs
-with more vCPUs than CPU time) every parallel region can stall for milliseconds, now and
-then, and small operations, not GEMMs, then decide the speed. On a quiet 2-core machine two
-threads win (the mixed workload ran 1.6-2x faster with 2 than with 1); where a second
-thread only fights the event loop or a neighbour, one wins. ``default_thread_count`` caches
-a short measurement once per process and dtype.
+float32 norm and an activation in between — in three interleaved rounds, and keeps each count's
+worst round. A big GEMM alone, or one short round, would mislead: on shared or quota-limited
+machines (VMs with more vCPUs than CPU time) every parallel region can stall for milliseconds,
+now and then, and small operations, not GEMMs, then decide the speed. On a quiet 2-core machine
+two threads win (the mixed workload ran 1.6-2x faster with 2 than with 1); where a second
+thread only fights the event loop or a neighbour, one wins. ``default_thread_count`` caches a
+short measurement once per process and dtype.
 """
 
 from __future__ import annotations
