@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Ray (the ray executor's tests) keeps every address on 127.0.0.1 and sends no usage
+# statistics; Ray reads these when it is first imported (DESIGN.md §6).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -7,6 +7,7 @@ from typing import Literal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class EngineConfig:
     ``"uni"`` (one rank, in this process), ``"mp"`` (one worker process per rank) or
     ``"ray"`` (one Ray actor per rank); None picks ``uni`` at size 1 and ``mp`` above.
     ``ray_address`` is the Ray cluster to join (None: start or join a local one); only
-    the ``ray`` executor reads it. See docs/distributed.md.
+    the ``ray`` executor reads it. See docs/distributed.md. ``ray_placement_strategy``: how
+    Ray places the ranks' bundles (``"PACK"``: as few nodes as fit; ``"STRICT_SPREAD"``:
+    one rank per node; also ``"SPREAD"``, ``"STRICT_PACK"``).
     """
 
     model: str
@@ -48,6 +51,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     executor: Literal["uni", "mp", "ray"] | None = None
     ray_address: str | None = None
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -81,6 +85,11 @@ class EngineConfig:
             )
         if self.ray_address is not None and not self.ray_address:
             raise ValueError("ray_address: must be an address (or 'auto'), or None")
+        if self.ray_placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy: must be one of {PLACEMENT_STRATEGIES}, "
+                f"got {self.ray_placement_strategy!r}"
+            )
 
     @property
     def executor_kind(self) -> Literal["uni", "mp", "ray"]:

@@ -1,0 +1,299 @@
+"""``RayExecutor``: one Ray actor per tensor-parallel rank, placed with a placement group.
+
+``run()`` joins Ray (``EngineConfig.ray_address``) or starts a local one, places one
+bundle per rank (``ray_placement_strategy``: one node or several), starts a ``RankWorker``
+actor in each, and calls ``started()`` once every rank has loaded its shard and allocated
+its KV cache. While it runs, one task per rank awaits that rank's ``serve()``: an actor or
+node that is lost, or an agent that fails, ends ``run()`` at once with ``WorkerExited`` or
+``WorkerFailed`` naming the rank. On the way out (stopped, cancelled or failed) every
+actor is killed, the placement group removed, and a Ray this executor started shut down.
+
+Every Ray call blocks, so each runs in a worker thread (``anyio.to_thread``): the event
+loop stays free under asyncio and trio alike.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import torch
+
+from .._faults import FaultInjector, FaultPlan
+from ..config import EngineConfig
+from ..errors import TGEngineError
+from ..model_agent import AgentInfo, MemoryStats
+from ..step import StepBatch, StepResult
+from . import ray_cluster
+from .errors import WorkerError, WorkerExited, WorkerFailed
+from .ray_worker import RankWorker, actor_options
+
+T = TypeVar("T")
+RELEASE_TIMEOUT = 30.0  # seconds for the actors to die and Ray's calls to return
+FAULT_GRACE = 0.5  # seconds for a lost rank's own error to arrive before a peer's
+
+
+class RayExecutor:
+    """Runs ``tensor_parallel_size`` ``RankWorker`` actors; rank 0's tokens are the step's."""
+
+    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self._faults = faults
+        self._sent_plan: FaultPlan | None = None
+        self.actors: list[Any] = []  # ray.actor.ActorHandle per rank
+        self.node_ids: list[str] = []  # the Ray node of each rank
+        self.pids: list[int] = []  # the process of each rank's actor
+        self._serving: list[Any] = []  # each rank's serve() ObjectRef
+        self._bundle: dict[str, float] = {}
+        self._memory: dict[str, MemoryStats] = {}
+        self._closing = threading.Event()
+        self._in_flight = 0
+        self._settled = threading.Condition()
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the ranks; ``started(info)`` once all can serve; returns only when cancelled."""
+        owns_ray = False
+        group: Any = None
+        try:
+            owns_ray = await self._blocking(
+                ray_cluster.connect, self.config.ray_address, self.world_size
+            )
+            group = await self._blocking(self._place)
+            async with anyio.create_task_group() as tg:
+                await self._blocking(self._start_actors, group)
+                for rank in range(self.world_size):
+                    tg.start_soon(self._watch, rank)
+                infos = await self._gather("ready")
+                await self._refresh_memory_stats()
+                task_status.started(_merge_infos(infos))
+        finally:
+            self._closing.set()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._release, group, owns_ray)
+
+    # -- the Executor protocol -------------------------------------------------------
+
+    async def execute(self, batch: StepBatch) -> StepResult:
+        if self._faults is not None:
+            await self._follow_faults(self._faults)
+        results = await self._gather("execute", batch)
+        result: StepResult = results[0]
+        for other in results[1:]:  # the ranks agree on errors; keep any a rank reports
+            for seq_id, error in other.errors.items():
+                result.errors.setdefault(seq_id, error)
+                result.token_ids.pop(seq_id, None)
+        return result
+
+    async def sleep(self, level: int) -> None:
+        await self._gather("sleep", level)
+        await self._refresh_memory_stats()
+
+    async def wakeup(self, tag: str) -> bool:
+        reloaded = await self._gather("wakeup", tag)
+        await self._refresh_memory_stats()
+        return bool(reloaded[0])
+
+    async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Every rank checks the full tensors; only once all passed does any rank apply."""
+        ref = await self._blocking(_put, named)
+        await self._gather("check_weights", ref)
+        await self._gather("update_weights", ref)
+        await self._refresh_memory_stats()
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        """One entry per rank, as of the start or the last control call."""
+        return dict(self._memory)
+
+    async def _follow_faults(self, faults: FaultInjector) -> None:
+        """Tests only: the ranks take the test's fault plan when it changed; steps count here."""
+        plan = faults.plan()
+        if plan != self._sent_plan:
+            await self._gather("follow_faults", plan, faults.num_steps)
+            self._sent_plan = plan
+        faults.num_steps += 1
+
+    # -- liveness ----------------------------------------------------------------------
+
+    async def _watch(self, rank: int) -> None:
+        """Raise, naming ``rank``, as soon as its actor is lost or its agent fails."""
+        try:
+            await self._blocking(_wait_ref, self._serving[rank])
+        except Exception as exc:
+            if not self._closing.is_set():
+                error = self._rank_error(rank, exc)
+                raise error from error.__cause__
+            return
+        if not self._closing.is_set():
+            raise WorkerExited(rank, self._pid(rank), None, "stopped serving without an error")
+
+    # -- Ray calls (each blocking call in a worker thread) ------------------------------
+
+    async def _gather(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every rank, in parallel; the first rank to fail raises, by rank."""
+        return await self._blocking(self._call_all, method, args)
+
+    def _call_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        import ray
+
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as exc:
+                error = self._blame(refs.index(done[0]), exc)
+                raise error from error.__cause__
+        return list(ray.get(refs))
+
+    def _blame(self, rank: int, exc: Exception) -> Exception:
+        """What to raise when ``rank``'s call failed with ``exc``.
+
+        The engine's own errors (``InvalidRequestError`` from a weight check) are the
+        caller's, as themselves. Otherwise a lost rank is the cause: its peers fail too
+        once their collective breaks, so a lost rank's ``serve()`` gets a moment first.
+        """
+        cause = _task_cause(exc)
+        if isinstance(cause, TGEngineError):
+            return cause
+        if not _is_lost(exc):
+            lost = self._lost_rank(FAULT_GRACE)
+            if lost is not None:
+                return lost
+        return self._rank_error(rank, exc)
+
+    def _lost_rank(self, timeout: float) -> WorkerError | None:
+        import ray
+
+        done, _ = ray.wait(self._serving, num_returns=1, timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                if _is_lost(exc):
+                    return self._rank_error(self._serving.index(ref), exc)
+        return None
+
+    def _rank_error(self, rank: int, exc: Exception) -> WorkerError:
+        if _is_lost(exc):
+            first_lines = " ".join(str(exc).split("\n")[:2])
+            reason = f"lost: {type(exc).__name__}: {first_lines}"
+            error: WorkerError = WorkerExited(rank, self._pid(rank), None, reason)
+            error.__cause__ = exc
+            return error
+        return WorkerFailed(rank, _task_cause(exc))
+
+    def _pid(self, rank: int) -> int | None:
+        return self.pids[rank] if rank < len(self.pids) else None
+
+    def _place(self) -> Any:
+        use_gpus = ray_cluster.wants_gpus(self.config.device, self.world_size)
+        group, self._bundle = ray_cluster.place(
+            self.world_size, self.config.ray_placement_strategy, use_gpus
+        )
+        return group
+
+    def _start_actors(self, group: Any) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = ray.remote(RankWorker)
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            options = actor_options(
+                num_cpus=self._bundle["CPU"],
+                num_gpus=self._bundle.get("GPU", 0.0),
+                scheduling_strategy=strategy,
+            )
+            self.actors.append(remote.options(**options).remote(self.config, rank, self.world_size))
+        where = ray.get([actor.whereabouts.remote() for actor in self.actors])
+        self.node_ids = [node for node, _ in where]
+        self.pids = [pid for _, pid in where]
+        init_method = ray.get(self.actors[0].rendezvous_address.remote())
+        plan = self._faults.plan() if self._faults is not None else None
+        self._sent_plan = plan
+        self._serving = [actor.serve.remote(init_method, plan) for actor in self.actors]
+
+    async def _refresh_memory_stats(self) -> None:
+        per_rank = await self._gather("memory_stats")
+        merged: dict[str, MemoryStats] = {}
+        for rank, stats in enumerate(per_rank):
+            for device, entry in stats.items():
+                merged[f"rank{rank}:{device}" if self.world_size > 1 else device] = entry
+        self._memory = merged
+
+    def _release(self, group: Any, owns_ray: bool) -> None:
+        """Kill every actor, wait for the calls still out, drop the group, stop our Ray."""
+        try:
+            if self.actors:
+                ray_cluster.kill(self.actors, self._serving, RELEASE_TIMEOUT)
+            with self._settled:
+                self._settled.wait_for(lambda: self._in_flight == 0, RELEASE_TIMEOUT)
+            if group is not None:
+                ray_cluster.remove_group(group)
+        finally:
+            if owns_ray:
+                ray_cluster.shutdown()
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread that cancelling abandons.
+
+        An abandoned call counts as in flight until it returns: ``_release`` kills the
+        actors (which ends it) and waits for it before shutting Ray down under its feet.
+        """
+        with self._settled:
+            self._in_flight += 1
+        return await anyio.to_thread.run_sync(self._counted, fn, *args, abandon_on_cancel=True)
+
+    def _counted(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        finally:
+            with self._settled:
+                self._in_flight -= 1
+                self._settled.notify_all()
+
+
+def _merge_infos(infos: list[AgentInfo]) -> AgentInfo:
+    """Rank 0's info with the smallest KV cache of any rank (the scheduler's budget)."""
+    import dataclasses
+
+    smallest = min(infos, key=lambda info: info.num_blocks)
+    return dataclasses.replace(
+        infos[0], num_blocks=smallest.num_blocks, max_model_len=smallest.max_model_len
+    )
+
+
+def _put(value: Any) -> Any:
+    import ray
+
+    return ray.put(value)
+
+
+def _wait_ref(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref)
+
+
+def _is_lost(exc: BaseException) -> bool:
+    """The rank's actor, process or node is gone (rather than its code raising)."""
+    from ray import exceptions as rx
+
+    lost = (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.LocalRayletDiedError)
+    return isinstance(exc, lost)
+
+
+def _task_cause(exc: BaseException) -> BaseException:
+    """The exception a rank's method raised, without Ray's wrapper."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
+        return exc.cause
+    return exc
