@@ -27,7 +27,9 @@ def two_node_cluster() -> Iterator[Any]:
     """A local Ray of two nodes (a head and a worker), both on 127.0.0.1; shut down after."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False}
+    )
     try:
         cluster.add_node(**NODE_ARGS)
         cluster.wait_for_nodes()

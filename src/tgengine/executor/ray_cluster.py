@@ -24,9 +24,7 @@ def import_ray(local: bool) -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ImportError(
-            "executor='ray' needs Ray: pip install 'tgengine[ray]'"
-        ) from exc
+        raise ImportError("executor='ray' needs Ray: pip install 'tgengine[ray]'") from exc
     return ray
 
 
