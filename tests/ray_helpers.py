@@ -46,11 +46,11 @@ def ensure_worker_node(cluster: Any) -> None:
 
 
 def rank_actor_pids() -> set[int]:
-    """Live processes below this one that are rank actors (Ray titles them ray::RankWorker)."""
+    """Live processes below this one that are rank actors (Ray titles them ray::RankActor)."""
     found = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "RankWorker" in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and "RankActor" in " ".join(p.cmdline()):
                 found.add(p.pid)
         except psutil.Error:
             continue

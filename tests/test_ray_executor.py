@@ -115,6 +115,7 @@ async def test_two_ranks_on_two_nodes_serve_sleep_update_and_leave_nothing(
             assert isinstance(executor, RayExecutor)
             assert len(set(executor.node_ids)) == 2  # one rank per node
             pids = executor.pids
+            assert rank_actor_pids() == set(pids)
             assert await generate(engine, 8) == want
             assert sorted(engine.memory_stats()) == ["rank0:cpu", "rank1:cpu"]
             await engine.sleep(1)

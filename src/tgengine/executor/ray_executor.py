@@ -1,7 +1,7 @@
 """``RayExecutor``: one Ray actor per tensor-parallel rank, placed with a placement group.
 
 ``run()`` joins Ray (``EngineConfig.ray_address``) or starts a local one, places one
-bundle per rank (``ray_placement_strategy``: one node or several), starts a ``RankWorker``
+bundle per rank (``ray_placement_strategy``: one node or several), starts a ``RankActor``
 actor in each, and calls ``started()`` once every rank has loaded its shard and allocated
 its KV cache. While it runs, one task per rank awaits that rank's ``serve()``: an actor or
 node that is lost, or an agent that fails, ends ``run()`` at once with ``WorkerExited`` or
@@ -22,14 +22,14 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector, FaultPlan
+from .._faults import FaultInjector
 from ..config import EngineConfig
-from ..errors import TGEngineError
 from ..model_agent import AgentInfo, MemoryStats
 from ..step import StepBatch, StepResult
 from . import ray_cluster
 from .errors import WorkerError, WorkerExited, WorkerFailed
-from .ray_worker import RankWorker, actor_options
+from .ray_actor import ACTOR_OPTIONS, RankActor
+from .worker import Execute, RankSpec, Sleep, Wakeup
 
 T = TypeVar("T")
 RELEASE_TIMEOUT = 30.0  # seconds for the actors to die and Ray's calls to return
@@ -37,13 +37,12 @@ FAULT_GRACE = 0.5  # seconds for a lost rank's own error to arrive before a peer
 
 
 class RayExecutor:
-    """Runs ``tensor_parallel_size`` ``RankWorker`` actors; rank 0's tokens are the step's."""
+    """Runs ``tensor_parallel_size`` ``RankActor`` actors; rank 0's tokens are the step's."""
 
     def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
         self._faults = faults
-        self._sent_plan: FaultPlan | None = None
         self.actors: list[Any] = []  # ray.actor.ActorHandle per rank
         self.node_ids: list[str] = []  # the Ray node of each rank
         self.pids: list[int] = []  # the process of each rank's actor
@@ -80,43 +79,37 @@ class RayExecutor:
     # -- the Executor protocol -------------------------------------------------------
 
     async def execute(self, batch: StepBatch) -> StepResult:
-        if self._faults is not None:
-            await self._follow_faults(self._faults)
-        results = await self._gather("execute", batch)
+        plan, num_steps = None, 0
+        if self._faults is not None:  # tests: every rank follows the test's plan
+            num_steps = self._faults.num_steps
+            self._faults.num_steps += 1
+            plan = self._faults.plan()
+        results = await self._gather("handle", Execute(batch, num_steps, plan), step=True)
         result: StepResult = results[0]
-        for other in results[1:]:  # the ranks agree on errors; keep any a rank reports
-            for seq_id, error in other.errors.items():
-                result.errors.setdefault(seq_id, error)
-                result.token_ids.pop(seq_id, None)
         return result
 
     async def sleep(self, level: int) -> None:
-        await self._gather("sleep", level)
+        await self._gather("handle", Sleep(level))
         await self._refresh_memory_stats()
 
     async def wakeup(self, tag: str) -> bool:
-        reloaded = await self._gather("wakeup", tag)
+        reloaded = await self._gather("handle", Wakeup(tag))
         await self._refresh_memory_stats()
-        return bool(reloaded[0])
+        return any(reloaded)
 
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Every rank checks the full tensors; only once all passed does any rank apply."""
+        """Every rank checks the full tensors; only once all passed does any rank apply.
+
+        The tensors go into Ray's object store once; every rank reads them from there.
+        """
         ref = await self._blocking(_put, named)
-        await self._gather("check_weights", ref)
-        await self._gather("update_weights", ref)
+        await self._gather("handle_weights", False, ref)
+        await self._gather("handle_weights", True, ref)
         await self._refresh_memory_stats()
 
     def memory_stats(self) -> dict[str, MemoryStats]:
-        """One entry per rank, as of the start or the last control call."""
+        """One entry per rank (``rank{r}:{device}``), as of the start or the last control call."""
         return dict(self._memory)
-
-    async def _follow_faults(self, faults: FaultInjector) -> None:
-        """Tests only: the ranks take the test's fault plan when it changed; steps count here."""
-        plan = faults.plan()
-        if plan != self._sent_plan:
-            await self._gather("follow_faults", plan, faults.num_steps)
-            self._sent_plan = plan
-        faults.num_steps += 1
 
     # -- liveness ----------------------------------------------------------------------
 
@@ -134,11 +127,16 @@ class RayExecutor:
 
     # -- Ray calls (each blocking call in a worker thread) ------------------------------
 
-    async def _gather(self, method: str, *args: Any) -> list[Any]:
-        """``method`` on every rank, in parallel; the first rank to fail raises, by rank."""
-        return await self._blocking(self._call_all, method, args)
+    async def _gather(self, method: str, *args: Any, step: bool = False) -> list[Any]:
+        """``method`` on every rank at once; their results by rank.
 
-    def _call_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        The first rank to fail raises: a lost rank as ``WorkerExited``; a step that raised
+        as ``WorkerFailed``; another call's error as itself (``InvalidRequestError`` from a
+        weight check is the caller's).
+        """
+        return await self._blocking(self._call_all, method, args, step)
+
+    def _call_all(self, method: str, args: tuple[Any, ...], step: bool) -> list[Any]:
         import ray
 
         refs = [getattr(actor, method).remote(*args) for actor in self.actors]
@@ -148,19 +146,19 @@ class RayExecutor:
             try:
                 ray.get(done[0])
             except Exception as exc:
-                error = self._blame(refs.index(done[0]), exc)
+                error = self._blame(refs.index(done[0]), exc, step)
                 raise error from error.__cause__
         return list(ray.get(refs))
 
-    def _blame(self, rank: int, exc: Exception) -> Exception:
+    def _blame(self, rank: int, exc: Exception, step: bool) -> BaseException:
         """What to raise when ``rank``'s call failed with ``exc``.
 
-        The engine's own errors (``InvalidRequestError`` from a weight check) are the
-        caller's, as themselves. Otherwise a lost rank is the cause: its peers fail too
-        once their collective breaks, so a lost rank's ``serve()`` gets a moment first.
+        A lost rank is the cause of everything after it: its peers fail too once their
+        collective breaks, so a lost rank's ``serve()`` gets a moment to say so first.
         """
-        cause = _task_cause(exc)
-        if isinstance(cause, TGEngineError):
+        if not step and not _is_lost(exc):
+            cause = _task_cause(exc)
+            cause.add_note(f"(in the rank {rank} Ray actor)")
             return cause
         if not _is_lost(exc):
             lost = self._lost_rank(FAULT_GRACE)
@@ -203,29 +201,35 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote = ray.remote(RankWorker)
+        remote = ray.remote(RankActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
-            options = actor_options(
-                num_cpus=self._bundle["CPU"],
-                num_gpus=self._bundle.get("GPU", 0.0),
-                scheduling_strategy=strategy,
-            )
-            self.actors.append(remote.options(**options).remote(self.config, rank, self.world_size))
+            options = {
+                **ACTOR_OPTIONS,
+                "num_cpus": self._bundle["CPU"],
+                "num_gpus": self._bundle.get("GPU", 0.0),
+                "scheduling_strategy": strategy,
+            }
+            self.actors.append(remote.options(**options).remote())
         where = ray.get([actor.whereabouts.remote() for actor in self.actors])
-        self.node_ids = [node for node, _ in where]
-        self.pids = [pid for _, pid in where]
-        init_method = ray.get(self.actors[0].rendezvous_address.remote())
-        plan = self._faults.plan() if self._faults is not None else None
-        self._sent_plan = plan
-        self._serving = [actor.serve.remote(init_method, plan) for actor in self.actors]
+        self.node_ids = [node for node, _, _ in where]
+        self.pids = [pid for _, _, pid in where]
+        init_method = None
+        if self.world_size > 1:  # rank 0's node hosts the rendezvous
+            port = ray.get(self.actors[0].free_port.remote())
+            init_method = f"tcp://{where[0][1]}:{port}"
+        follow = self._faults is not None
+        self._serving = [
+            actor.serve.remote(
+                RankSpec(self.config, rank, self.world_size, init_method, follow_faults=follow)
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
 
     async def _refresh_memory_stats(self) -> None:
-        per_rank = await self._gather("memory_stats")
         merged: dict[str, MemoryStats] = {}
-        for rank, stats in enumerate(per_rank):
-            for device, entry in stats.items():
-                merged[f"rank{rank}:{device}" if self.world_size > 1 else device] = entry
+        for stats in await self._gather("memory_stats"):
+            merged.update(stats)  # keyed rank{r}:{device} by each rank (device alone at 1)
         self._memory = merged
 
     def _release(self, group: Any, owns_ray: bool) -> None:
