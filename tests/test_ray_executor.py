@@ -18,7 +18,14 @@ from typing import Any
 import anyio
 import pytest
 
-from tgengine import Engine, EngineDeadError, EngineState, InvalidRequestError, open_engine
+from tgengine import (
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    EngineState,
+    InvalidRequestError,
+    open_engine,
+)
 from tgengine._faults import FaultInjector
 from tgengine.executor.errors import WorkerExited, WorkerFailed
 from tgengine.executor.ray_executor import RayExecutor
@@ -204,3 +211,16 @@ async def test_a_rank_that_raises_kills_the_engine_with_its_error(
     assert type(cause.__cause__).__name__ == "Boom"
     assert [c.finish_reason for c in consumers] == ["error"] * len(consumers)
     assert all("Boom" in (c.chunks[-1].error or "") for c in consumers)
+
+
+def test_the_placement_strategy_is_validated() -> None:
+    EngineConfig(model="m", executor="ray", ray_placement_strategy="STRICT_SPREAD")
+    with pytest.raises(ValueError, match="ray_placement_strategy"):
+        EngineConfig(model="m", executor="ray", ray_placement_strategy="ANYWHERE")  # type: ignore[arg-type]
+
+
+def test_only_a_loopback_rendezvous_pins_the_loopback_interface() -> None:
+    from tgengine.parallel import _is_loopback
+
+    assert _is_loopback("tcp://127.0.0.1:29500") and _is_loopback("tcp://localhost:1")
+    assert not _is_loopback("tcp://10.1.2.3:29500")  # ranks on several machines (Ray)

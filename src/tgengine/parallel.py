@@ -8,8 +8,10 @@ no-op and no process group exists, so a single process runs exactly as before.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,16 +75,17 @@ def init_distributed(
 
     ``init_method`` is ``"tcp://127.0.0.1:PORT"`` (see ``free_port``); ``device_type`` is
     ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, and this process's device becomes ``local_cuda``).
-    Both backends are kept on the loopback interface. ``timeout`` (seconds) bounds the
-    rendezvous and every collective; None keeps torch's default. Blocks until every rank
-    has joined. At ``world_size`` 1 nothing is created.
+    Both backends are kept on the loopback interface when the rendezvous is on loopback
+    (ranks on several machines, on Ray, use their real interfaces). ``timeout`` (seconds)
+    bounds the rendezvous and every collective; None keeps torch's default. Blocks until
+    every rank has joined. At ``world_size`` 1 nothing is created.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     if world_size == 1:
         return ParallelContext()
-    loopback = _loopback_interface()
-    if loopback is not None:
+    loopback = _loopback_interface() if _is_loopback(init_method) else None
+    if loopback is not None:  # ranks on several machines (Ray) use their real interfaces
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -115,6 +118,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+def _is_loopback(init_method: str) -> bool:
+    host = urllib.parse.urlparse(init_method).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _collective_device() -> torch.device:

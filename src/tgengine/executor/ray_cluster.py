@@ -60,6 +60,13 @@ def place(num_ranks: int, strategy: str, use_gpus: bool) -> tuple[Any, dict[str,
     group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        have = ray.available_resources()
+        raise RuntimeError(
+            f"Ray found no room for {num_ranks} ranks of {bundle} placed {strategy} within "
+            f"{PLACEMENT_TIMEOUT:.0f} s (available now: {have})"
+        ) from None
     except BaseException:
         remove_placement_group(group)
         raise

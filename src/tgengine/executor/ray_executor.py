@@ -60,12 +60,13 @@ class RayExecutor:
         owns_ray = False
         group: Any = None
         try:
-            owns_ray = await self._blocking(
+            # Setting up is not abandoned when cancelled: what it makes, the release undoes.
+            owns_ray = await anyio.to_thread.run_sync(
                 ray_cluster.connect, self.config.ray_address, self.world_size
             )
-            group = await self._blocking(self._place)
+            group = await anyio.to_thread.run_sync(self._place)
             async with anyio.create_task_group() as tg:
-                await self._blocking(self._start_actors, group)
+                await anyio.to_thread.run_sync(self._start_actors, group)
                 for rank in range(self.world_size):
                     tg.start_soon(self._watch, rank)
                 infos = await self._gather("ready")
@@ -265,12 +266,13 @@ class RayExecutor:
 
 
 def _merge_infos(infos: list[AgentInfo]) -> AgentInfo:
-    """Rank 0's info with the smallest KV cache of any rank (the scheduler's budget)."""
+    """Rank 0's info within every rank's limits (the KV cache the scheduler may use)."""
     import dataclasses
 
-    smallest = min(infos, key=lambda info: info.num_blocks)
     return dataclasses.replace(
-        infos[0], num_blocks=smallest.num_blocks, max_model_len=smallest.max_model_len
+        infos[0],
+        num_blocks=min(info.num_blocks for info in infos),
+        max_model_len=min(info.max_model_len for info in infos),
     )
 
 
