@@ -25,6 +25,7 @@ import torch
 from .._faults import FaultInjector
 from ..config import EngineConfig
 from ..model_agent import AgentInfo, MemoryStats
+from ..models import load_model_config
 from ..step import StepBatch, StepResult
 from . import ray_cluster
 from .errors import WorkerError, WorkerExited, WorkerFailed
@@ -220,9 +221,11 @@ class RayExecutor:
             port = ray.get(self.actors[0].free_port.remote())
             init_method = f"tcp://{where[0][1]}:{port}"
         follow = self._faults is not None
+        # Read here (the engine has transformers imported): the ranks skip its imports.
+        model_config = load_model_config(self.config.model)
         self._serving = [
             actor.serve.remote(
-                RankSpec(self.config, rank, self.world_size, init_method, follow_faults=follow)
+                RankSpec(self.config, rank, self.world_size, init_method, follow, model_config)
             )
             for rank, actor in enumerate(self.actors)
         ]
