@@ -182,8 +182,7 @@ class RayExecutor:
 
     def _rank_error(self, rank: int, exc: Exception) -> WorkerError:
         if _is_lost(exc):
-            first_lines = " ".join(str(exc).split("\n")[:2])
-            reason = f"lost: {type(exc).__name__}: {first_lines}"
+            reason = f"lost: {type(exc).__name__}: {_why_lost(exc)}"
             error: WorkerError = WorkerExited(rank, self._pid(rank), None, reason)
             error.__cause__ = exc
             return error
@@ -297,6 +296,13 @@ def _is_lost(exc: BaseException) -> bool:
 
     lost = (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.LocalRayletDiedError)
     return isinstance(exc, lost)
+
+
+def _why_lost(exc: BaseException) -> str:
+    """Ray's message in a line: its first line and the one that says why (a node death)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = [line for line in lines[1:] if "because" in line or "node" in line.lower()]
+    return " ".join(lines[:1] + why[:1])
 
 
 def _task_cause(exc: BaseException) -> BaseException:
