@@ -119,9 +119,11 @@ def _throughput(result: dict[str, Any]) -> str:
     for name, tg in result.get("details", {}).items():
         if not name.startswith("tgengine"):
             continue
+        fraction = tg["forward_fraction_of_wall"]
+        forward = "n/a (in the workers)" if fraction is None else f"{100 * fraction:.0f}%"
         out += (
             f"\n{name}: {tg['num_steps']} steps, {tg['num_preemptions']} preemptions, "
-            f"forward {100 * tg['forward_fraction_of_wall']:.0f}% of wall, "
+            f"forward {forward} of wall, "
             f"TTFT p50 {tg['ttft_s']['p50']:.2f} s, "
             f"inter-token p50 {1e3 * tg['inter_token_s']['p50']:.0f} ms"
         )

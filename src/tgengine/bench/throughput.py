@@ -61,7 +61,10 @@ async def _tgengine_mixed(setup: BenchSetup, requests: list[BenchRequest]) -> di
         "executor": setup.executor_kind,
         "executor_timings": executor,
         "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
-        "forward_fraction_of_wall": forward_s / wall if wall > 0 else 0.0,
+        # The forward runs in this process only on uni (profile_steps cannot see a worker's).
+        "forward_fraction_of_wall": forward_s / wall
+        if wall > 0 and setup.executor_kind == "uni"
+        else None,
         "moe_forward_split": profiler.forward_split(),
         "ttft_s": percentiles([t.ttft for t in timings if t.ttft is not None]),
         "inter_token_s": percentiles([d for t in timings for d in t.inter_token]),
