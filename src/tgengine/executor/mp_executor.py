@@ -10,10 +10,8 @@ call fails at once with a ``WorkerError`` that names the rank (the engine dies o
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
-import statistics
 import time
 from typing import Any
 
@@ -31,6 +29,7 @@ from ..process.weights_file import remove_weights_dir, write_weights_dir
 from ..process.wire import Channel, encode
 from ..step import StepBatch, StepResult
 from .errors import WorkerError, WorkerExited, WorkerFailed
+from .mp_calls import Call, StepTimings
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import (
     CheckWeights,
@@ -57,73 +56,6 @@ class _Rank:
     info: AgentInfo | None = None
 
 
-@dataclasses.dataclass
-class StepTimings:
-    """The control plane's share of the steps so far: ``round_trip_s`` is the executor's
-    time from sending a step to its last reply, ``worker_s`` the slowest rank's own time."""
-
-    num_steps: int = 0
-    round_trip_s: float = 0.0
-    worker_s: float = 0.0
-    recent: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=10_000)
-    )  # each recent step's round trip minus worker time
-
-    def add(self, round_trip: float, worker: float) -> None:
-        self.num_steps += 1
-        self.round_trip_s += round_trip
-        self.worker_s += worker
-        self.recent.append(round_trip - worker)
-
-    @property
-    def overhead_per_step_s(self) -> float:
-        """The mean; on a busy machine the tail (waiting for a core) weighs on it."""
-        return (self.round_trip_s - self.worker_s) / self.num_steps if self.num_steps else 0.0
-
-    @property
-    def median_overhead_s(self) -> float:
-        return statistics.median(self.recent) if self.recent else 0.0
-
-
-@dataclasses.dataclass
-class _Call:
-    """One command broadcast to every rank.
-
-    ``done`` at the last reply or the first error; ``settled`` once every rank replied or
-    is gone. After an error the caller waits (briefly) for ``settled``: a rank that died
-    makes the others fail in a collective, and the dead rank is the cause to report.
-    """
-
-    num_ranks: int
-    is_step: bool
-    results: dict[int, Any] = dataclasses.field(default_factory=dict)
-    errors: dict[int, BaseException] = dataclasses.field(default_factory=dict)
-    elapsed: float = 0.0  # the slowest rank's own time
-    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
-    settled: anyio.Event = dataclasses.field(default_factory=anyio.Event)
-
-    def answer(self, rank: int, result: Any, elapsed: float) -> None:
-        self.results[rank] = result
-        self.elapsed = max(self.elapsed, elapsed)
-        self._check()
-
-    def fail(self, rank: int, error: BaseException) -> None:
-        self.errors.setdefault(rank, error)
-        self.done.set()
-        self._check()
-
-    def _check(self) -> None:
-        if len(self.results) + len(self.errors) >= self.num_ranks:
-            self.done.set()
-            self.settled.set()
-
-    @property
-    def error(self) -> BaseException | None:
-        """A lost rank if any (the others' errors follow from it), else the first error."""
-        lost = [e for e in self.errors.values() if isinstance(e, WorkerExited)]
-        return lost[0] if lost else next(iter(self.errors.values()), None)
-
-
 class MPExecutor:
     """Runs ``config.tensor_parallel_size`` ranks, each in its own worker process.
 
@@ -146,7 +78,7 @@ class MPExecutor:
         self.shutdown_timeout = shutdown_timeout
         self._faults = faults
         self._ranks: list[_Rank] = []
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, Call] = {}
         self._ids = itertools.count(1)
         self._send_lock = anyio.Lock()
         self._memory: dict[int, dict[str, MemoryStats]] = {}
@@ -295,7 +227,7 @@ class MPExecutor:
         if self._fault is not None:
             raise self._fault
         call_id = next(self._ids)
-        call = self._calls[call_id] = _Call(len(self._ranks), isinstance(command, Execute))
+        call = self._calls[call_id] = Call(len(self._ranks), isinstance(command, Execute))
         start = time.perf_counter()
         try:
             frame = encode(Request(call_id, command))
