@@ -1,0 +1,53 @@
+"""The lifecycle machine's outcome check on hand-made cases (no engine): the cases it must
+accept and those it must reject, each one a hole or a false alarm found once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgengine import RequestOutput
+from tgengine.errors import CacheNotReadyError
+
+from lifecycle_model import CACHE_ERROR, RequestModel, check_outcome
+
+REFERENCE = {"A": {0: [182, 7, 9, 11]}}
+
+
+def cancelled_victim(chunks: list[RequestOutput], engine_reason: str) -> RequestModel:
+    """A cache-error victim whose consumer was then cancelled (``cancel_consumer``)."""
+    req = RequestModel("m0", 1, prompt=0, max_tokens=4, stop_token=None, weights="A",
+                       break_after=None, held=False)  # fmt: skip
+    req.may_end("error", CACHE_ERROR, now=False)
+    req.may_end("abort")
+    req.chunks, req.engine_reason = chunks, engine_reason
+    req.cancelled = req.gone_at_once = True
+    return req
+
+
+def test_a_consumer_cancelled_after_its_terminal_chunk_is_an_ordinary_end() -> None:
+    """The CI flake of the machine (trio): the request's cache error reached the consumer,
+    then the cancel landed at the consumer's next checkpoint, so it saw an end *and* was
+    cancelled. The engine did nothing wrong; the check must judge that end as any other."""
+    error = str(CacheNotReadyError("m0", "injected fault: cache not ready"))
+    chunks = [RequestOutput("m0", [182]), RequestOutput("m0", [], finish_reason="error", error=error)]
+    check_outcome(cancelled_victim(chunks, "error"), REFERENCE, version=0)
+
+
+@pytest.mark.parametrize(
+    "chunks, engine_reason",
+    [
+        # the end it saw is not the one the engine recorded
+        ([RequestOutput("m0", [182]), RequestOutput("m0", [], finish_reason="abort")], "error"),
+        # an error that is not the one allowed
+        ([RequestOutput("m0", [], finish_reason="error", error="engine died: Boom")], "error"),
+        # wrong tokens before the end
+        ([RequestOutput("m0", [5]), RequestOutput("m0", [], finish_reason="abort")], "abort"),
+        # tokens after a terminal chunk
+        ([RequestOutput("m0", [], finish_reason="abort"), RequestOutput("m0", [182])], "abort"),
+    ],
+)
+def test_a_cancelled_consumer_that_saw_its_end_is_still_checked(
+    chunks: list[RequestOutput], engine_reason: str
+) -> None:
+    with pytest.raises(AssertionError):
+        check_outcome(cancelled_victim(chunks, engine_reason), REFERENCE, version=0)
