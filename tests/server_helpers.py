@@ -30,6 +30,7 @@ class Running:
     server: Server
     url: str
     engine_died: anyio.Event
+    engine_returned: anyio.Event  # set once the engine's run() has ended, however
 
     def client(self, key: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -52,19 +53,21 @@ async def running_server(
     engine = Engine(tiny_config(model_dir, **(engine_options or {})), _faults=faults)
     server_options.setdefault("served_model_name", MODEL)
     server = Server(engine, ServerConfig(port=0, **server_options))
-    died = anyio.Event()
+    died, returned = anyio.Event(), anyio.Event()
 
     async def run_engine(*, task_status: anyio.abc.TaskStatus[None]) -> None:
         try:
             await engine.run(task_status=task_status)
         except EngineDeadError:
             died.set()
+        finally:
+            returned.set()
 
     async with anyio.create_task_group() as tg:
         await tg.start(run_engine)
         await tg.start(server.run)
         try:
-            yield Running(engine, server, server.url, died)
+            yield Running(engine, server, server.url, died, returned)
         finally:
             if faults is not None:
                 faults.release()

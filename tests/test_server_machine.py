@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from anyio.from_thread import start_blocking_portal
@@ -40,6 +41,7 @@ from tgengine import (
     EngineState,
     EngineStoppedError,
 )
+from tgengine.request_stats import RequestStats
 
 from lifecycle_model import EngineModel
 
@@ -69,6 +71,34 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name} {labels} in /metrics")
 
 
+async def wait_for(event: anyio.Event) -> None:
+    with anyio.fail_after(BOUND):
+        await event.wait()
+
+
+class FinishedRequests:
+    """An ``EngineObserver`` that wakes whoever waits for the next request to finish."""
+
+    def __init__(self) -> None:
+        self._waiters: list[anyio.Event] = []
+
+    def request_finished(self, stats: RequestStats) -> None:
+        for waiter in self._waiters:
+            waiter.set()
+        self._waiters.clear()
+
+    def step_finished(self, num_batched_tokens: int) -> None:
+        pass
+
+    async def wait_until(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()``, checked after each finished request; ``BOUND`` s at most."""
+        with anyio.fail_after(BOUND):
+            while not done():
+                waiter = anyio.Event()
+                self._waiters.append(waiter)
+                await waiter.wait()  # resumes after the finish, its hooks included
+
+
 class ServerMachine(RuleBasedStateMachine):
     model_dir: Path
     backend: str
@@ -89,6 +119,8 @@ class ServerMachine(RuleBasedStateMachine):
         )
         self.model = EngineModel("reject")
         self.finished: Counter[str] = Counter()
+        self.finishes = FinishedRequests()
+        self.running.engine.observers.append(self.finishes)
 
     # -- clients --------------------------------------------------------------------
 
@@ -132,10 +164,8 @@ class ServerMachine(RuleBasedStateMachine):
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     break  # hang up after the first event
-        deadline = time.monotonic() + BOUND
-        while self.admitted():  # the server notices the hang-up, then aborts at once
-            assert time.monotonic() < deadline, "a disconnected request kept running"
-            time.sleep(0.005)
+        # the server notices the hang-up, then aborts at once
+        self.portal.call(self.finishes.wait_until, lambda: not self.admitted())
         self.finished["abort"] += 1
 
     def admitted(self) -> int:
@@ -189,10 +219,8 @@ class ServerMachine(RuleBasedStateMachine):
     @rule()
     def stop(self) -> None:
         self.portal.call(self.running.engine.stop)
-        deadline = time.monotonic() + BOUND
-        while self.running.engine.state is not S.STOPPED:  # run() returns in the portal
-            assert time.monotonic() < deadline, "the engine did not stop"
-            time.sleep(0.005)
+        self.portal.call(wait_for, self.running.engine_returned)  # run() returns in the portal
+        assert self.running.engine.state is S.STOPPED, self.running.engine.state
         self.model.state = S.STOPPED
 
     # -- invariants -----------------------------------------------------------------
