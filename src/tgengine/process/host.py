@@ -174,12 +174,13 @@ class EngineHost:
     def _snapshot(self, messages: list[Any]) -> Snapshot:
         engine = self.engine
         now = anyio.current_time()
-        # memory_stats() reads /proc: at most once per heartbeat, and after every control
-        # call (they are what change memory), not with every step's chunks.
+        # memory_stats() reads /proc: at most once per heartbeat, and once the engine is
+        # ready and after every control call (they are what change memory), not with every
+        # step's chunks.
         if (
             self._memory is None
             or now - self._memory_time >= HEARTBEAT
-            or any(isinstance(m, Reply) for m in messages)
+            or any(isinstance(m, (Ready, Reply)) for m in messages)
         ):
             self._memory, self._memory_time = engine.memory_stats(), now
         try:
