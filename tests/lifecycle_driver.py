@@ -2,10 +2,17 @@
 
 Every call into the engine, and every look at its internals, runs in the portal's event
 loop as one call, so what the machine sees is a consistent snapshot between two awaits.
+
+The engine is one of ``KINDS``: ``uni`` (``Engine``, its model in this process), ``mp``
+(``Engine`` whose executor runs the model in a worker process) or ``process``
+(``ProcessEngine``: the whole engine in a child process). The first two show the machine
+their internals (scheduler, tracker, fault injector); the engine process shows only the
+public API, so the block and counter checks and the fault rules apply to those two only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +22,10 @@ import anyio
 import anyio.abc
 from anyio.from_thread import BlockingPortal
 
-from tgengine import Engine, EngineConfig, SamplingParams
+from tgengine import Engine, EngineConfig, ProcessEngine, SamplingParams
 from tgengine._faults import FaultInjector
+from tgengine.block_manager import hash_block
+from tgengine.request_stats import RequestStats
 
 from lifecycle_model import RequestModel
 
@@ -24,19 +33,46 @@ BOUND = 30.0  # seconds: any single call, and the final drain, must finish withi
 DUE = 10.0  # seconds: a request a call ended must have its terminal chunk by then (ms, really)
 
 
-class EngineDriver:
-    """One engine, started in ``portal``; consumers run in a task group the driver owns."""
+KINDS = ("uni", "mp", "process")
 
-    def __init__(self, portal: BlockingPortal, config: EngineConfig, number: int) -> None:
+
+def mp_executor_exists() -> bool:
+    return "executor" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def make_engine(kind: str, config: EngineConfig, faults: FaultInjector) -> Any:
+    if kind == "process":
+        return ProcessEngine(config)
+    if kind == "mp":
+        config = dataclasses.replace(config, executor="mp")  # type: ignore[call-arg]
+    return Engine(config, _faults=faults)
+
+
+class EngineDriver:
+    """One engine, started in ``portal``; consumers run in a task group the driver owns.
+
+    ``inside``: the machine sees the engine's internals (not so for ``kind="process"``).
+    """
+
+    def __init__(
+        self, portal: BlockingPortal, config: EngineConfig, number: int, kind: str = "uni"
+    ) -> None:
         self.portal = portal
         self.number = number
+        self.kind = kind
+        self.inside = kind != "process"
         self.faults = FaultInjector(hang_limit=BOUND)
-        self.engine = Engine(config, _faults=self.faults)
+        self.engine = make_engine(kind, config, self.faults)
         self.run_future, _ = portal.start_task(self.engine.run)
         self.requests: list[RequestModel] = []
         self.engine_reasons: dict[str, str] = {}
+        self.engine_requests: list[Any] = []  # the engine's own Request objects (inside)
         self.prompt_tokens = 0
-        self.portal.call(self._attach)
+        self.awake_memory: dict[str, int] = {}  # bytes once resident, the same ever after
+        self.finished_stats: list[RequestStats] = []  # what observers were told
+        self.engine.observers.append(self)
+        if self.inside:
+            self.portal.call(self._attach)
 
     async def _attach(self) -> None:
         tracker = self.engine._loop.tracker
@@ -70,9 +106,47 @@ class EngineDriver:
 
         return self.portal.call(wrapped)
 
+    # -- an EngineObserver ------------------------------------------------------------
+
+    def request_finished(self, stats: RequestStats) -> None:
+        self.finished_stats.append(stats)
+
+    def step_finished(self, num_batched_tokens: int) -> None:
+        assert num_batched_tokens > 0
+
+    def observer_problems(self) -> list[str]:
+        """Observers hear of every ended request once, with times in order and its counts."""
+        problems = []
+        for s in self.finished_stats:
+            times = [s.arrival_time, s.scheduled_time, s.first_token_time, s.last_token_time]
+            known = [t for t in times if t is not None]
+            generated = s.num_generation_tokens > 0
+            if known != sorted(known) or (s.first_token_time is not None) != generated:
+                problems.append(f"request stats out of order: {s}")
+            if (s.last_token_time is not None) != generated or s.n != 1:
+                problems.append(f"request stats: {s}")
+            if s.num_generation_tokens != s.max_num_generation_tokens or (
+                s.num_generation_tokens > s.max_tokens
+            ):
+                problems.append(f"request stats count more tokens than asked: {s}")
+        if not self.inside:
+            return problems
+        if len(self.finished_stats) != len(self.engine_reasons):
+            problems.append(f"{len(self.finished_stats)} told, {len(self.engine_reasons)} ended")
+        ended = [r for r in self.engine_requests if r.finished]
+        told = sorted((s.num_prompt_tokens, s.num_generation_tokens) for s in self.finished_stats)
+        want = sorted((r.seq.num_prompt_tokens, r.seq.num_completion_tokens) for r in ended)
+        if told != want:
+            problems.append(f"observers were told {told}, the ended requests are {want}")
+        return problems
+
     # -- requests -------------------------------------------------------------------
 
     def live_ids(self) -> set[str]:
+        """The requests the engine has not ended (for the engine process: as far as this
+        process knows; the end may be on its way)."""
+        if not self.inside:
+            return set(self.engine._keys_by_id)
         tracker = self.engine._loop.tracker
         return set(tracker.requests) if tracker is not None else set()
 
@@ -87,8 +161,11 @@ class EngineDriver:
             except Exception as exc:
                 return exc
             req.done, req.scope = anyio.Event(), anyio.CancelScope()
+            req.engine_known = self.inside
             self.requests.append(req)
             self.prompt_tokens += len(prompt)
+            if self.inside:
+                self.engine_requests.append(self.engine._loop.tracker.get(req.request_id))
             tg.start_soon(self._consume, req, [stream])
             return None
 
@@ -104,17 +181,20 @@ class EngineDriver:
             req.gone_at_once = self._gone(req.request_id)
         req.done.set()
 
-    @staticmethod
-    async def _read(req: RequestModel, holder: list[Any]) -> None:
+    async def _read(self, req: RequestModel, holder: list[Any]) -> None:
         stream = holder.pop()
         async for chunk in stream:
             req.chunks.append(chunk)
+            if chunk.finish_reason is not None and not self.inside:
+                req.engine_reason = self.engine_reasons[req.request_id] = chunk.finish_reason
             if chunk.finish_reason is None and len(req.chunks) == req.break_after:
                 req.broke = True
                 req.may_end("abort")
                 break  # dropping the stream must abort the request
 
     def _gone(self, request_id: str) -> bool:
+        if not self.inside:
+            return request_id not in self.engine._keys_by_id
         tracker, scheduler = self.engine._loop.tracker, self.engine._loop.scheduler
         in_tracker = tracker is not None and tracker.get(request_id) is not None
         return not in_tracker and (scheduler is None or scheduler.get(request_id) is None)
@@ -141,12 +221,16 @@ class EngineDriver:
     # -- snapshots ------------------------------------------------------------------
 
     def cached_prefixes(self) -> int:
+        if not self.inside:
+            return 0
         scheduler = self.engine._loop.scheduler
         return len(scheduler.block_manager._hash_to_block) if scheduler is not None else 0
 
     def blocks_problems(self, kv_cache_resident: bool) -> list[str]:
         """Block accounting, exactly: every reference is a live, running sequence's; and no
         prefix is cached while the KV cache is released."""
+        if not self.inside:
+            return []
         scheduler, tracker = self.engine._loop.scheduler, self.engine._loop.tracker
         if scheduler is None or tracker is None:
             return []
@@ -172,13 +256,32 @@ class EngineDriver:
         for seq in [*scheduler.running, *scheduler.waiting]:
             if tracker.get(seq.seq_id) is None:
                 problems.append(f"{seq.seq_id} is scheduled but ended")
+        problems += prefix_problems(bm, scheduler.running)
         stats = self.engine.stats()
         if stats.num_running + stats.num_waiting != len(tracker):
             problems.append(f"running + waiting != admitted: {stats}, {len(tracker)}")
         return problems
 
+    def placement_problems(self, serving: bool, held: set[str]) -> list[str]:
+        """Where each live request is: ``serving`` (running or stopping), every one is in the
+        scheduler; otherwise the ones the model holds are not (they start on resume)."""
+        if not self.inside:
+            return []
+        scheduler, tracker = self.engine._loop.scheduler, self.engine._loop.tracker
+        if scheduler is None or tracker is None:
+            return []
+        live = set(tracker.requests)
+        scheduled = {i for i in live if scheduler.get(i) is not None}
+        if serving and live - scheduled:
+            return [f"serving, yet not scheduled (still held?): {sorted(live - scheduled)}"]
+        if not serving and held & scheduled:
+            return [f"held, yet scheduled before the engine serves: {sorted(held & scheduled)}"]
+        return []
+
     def counter_problems(self) -> list[str]:
         """``stats()`` adds up: finished by reason = requests ended; prompt tokens admitted."""
+        if not self.inside:
+            return []  # the engine process's counters come in snapshots, a frame behind
         stats = self.engine.stats()
         live = self.live_ids()
         mine = {r.request_id for r in self.requests}
@@ -192,7 +295,81 @@ class EngineDriver:
             problems.append(
                 f"prompt_tokens_total {stats.prompt_tokens_total} != {self.prompt_tokens}"
             )
+        seqs = [r.seq for r in self.engine_requests]
+        generated = sum(seq.num_completion_tokens for seq in seqs)
+        if stats.generation_tokens_total != generated:
+            problems.append(
+                f"generation_tokens_total {stats.generation_tokens_total} != {generated}"
+            )
+        preempted = sum(seq.num_preemptions for seq in seqs)
+        if stats.num_preemptions_total != preempted:
+            problems.append(f"num_preemptions_total {stats.num_preemptions_total} != {preempted}")
+        if self.faults.num_steps - stats.num_steps not in (0, 1):  # one may be in flight
+            problems.append(f"num_steps {stats.num_steps}, forward steps {self.faults.num_steps}")
+        if (stats.last_step_time is None) != (stats.num_steps == 0):
+            problems.append(f"last_step_time {stats.last_step_time} after {stats.num_steps} steps")
+        scheduler = self.engine._loop.scheduler
+        if scheduler is not None:
+            bm = scheduler.block_manager
+            blocks = (stats.num_free_blocks, stats.num_total_blocks, stats.kv_cache_usage)
+            if blocks != (bm.num_free_blocks, bm.num_blocks, bm.num_used_blocks / bm.num_blocks):
+                problems.append(f"block stats {blocks} != the block manager's")
+            if (stats.num_running, stats.num_waiting - len(self.engine._held)) != (
+                len(scheduler.running),
+                len(scheduler.waiting),
+            ):
+                problems.append(f"running/waiting {stats} != the scheduler's")
         return problems
+
+    def memory_problems(self, weights: bool, kv_cache: bool, host: bool) -> list[str]:
+        """Bytes held exactly when the model says so, and then always the same amount."""
+        problems = []
+        for stats in self.engine.memory_stats().values():
+            held = {
+                "weights": (weights, stats.weights_bytes),
+                "kv_cache": (kv_cache, stats.kv_cache_bytes),
+                "host": (host, stats.host_weights_bytes),
+            }
+            for name, (want, got) in held.items():
+                if not want:
+                    if got:
+                        problems.append(f"{name}: {got} bytes held, none expected")
+                    continue
+                first = self.awake_memory.setdefault(name, got)
+                if not got or got != first:
+                    problems.append(f"{name}: {got} bytes held, {first} expected")
+        return problems
+
+
+def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
+    """A cached prefix names its block's content: the hash is the hash of the block's tokens
+    and parent, and every running sequence that holds the block has those tokens there."""
+    problems = []
+    size = bm.block_size
+    for block in bm.blocks:
+        if block.block_hash is None:
+            continue
+        if hash_block(block.parent_hash, block.token_ids) != block.block_hash:
+            problems.append(f"block {block.block_id}: its hash is not its tokens'")
+    for seq in running:
+        parent = None
+        for i, block_hash in enumerate(seq.block_hashes):  # the chain of its full blocks
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            if block_hash != hash_block(parent, tokens):
+                problems.append(f"{seq.seq_id}: block #{i}'s hash is not its prefix's")
+            parent = block_hash
+        for i, block_id in enumerate(seq.block_table):
+            block = bm.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent = seq.block_hashes[i - 1] if 0 < i <= len(seq.block_hashes) else None
+            if tokens != block.token_ids or (i > 0 and parent != block.parent_hash):
+                problems.append(
+                    f"{seq.seq_id} holds block {block_id} (its #{i}) whose cached prefix "
+                    f"{block.token_ids} is not its content {tokens}"
+                )
+    return problems
 
 
 def read_dir_weights(model_dir: Path) -> list[tuple[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tgengine import EngineDeadError, EngineState, SamplingParams
+from tgengine import (
+    EngineDeadError,
+    EngineState,
+    IllegalStateError,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 from engine_helpers import engine_threads, hf_greedy, tiny_config
-from lifecycle_driver import BOUND, EngineDriver, read_dir_weights
+from lifecycle_driver import BOUND, EngineDriver, mp_executor_exists, read_dir_weights
 from lifecycle_model import (
     CACHE_ERROR,
     DEATH_ERROR,
@@ -48,10 +55,14 @@ from lifecycle_model import (
     RequestModel,
     check_outcome,
 )
+from process_helpers import child_pids
 
 S = EngineState
 MAX_TOKENS = 32
 STEP_TIMEOUT = 1.0  # seconds: a tiny model's step takes milliseconds
+# Few blocks (block_size 4; the longest request needs 15): requests preempt each other, and
+# freed blocks, cached prefixes included, are soon reused for other content.
+NUM_BLOCKS = 24
 PROMPTS = [
     [5, 17, 42, 99],
     list(range(40, 62)),
@@ -61,12 +72,42 @@ PROMPTS = [
     [100, 200, 300],
 ]
 EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_EXAMPLES", "10"))
+# with the engine, or its model, in another process: each engine started costs a process
+PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "2"))
 STEPS = int(os.environ.get("TGENGINE_HYPOTHESIS_STEPS", "25"))
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
 
+# name: (method, its arguments, the field InvalidRequestError must name, and its bad value)
+INVALID_CALLS: dict[str, tuple[str, tuple[Any, ...], str, Any]] = {
+    "pause mode": ("pause", ("bogus",), "mode", "bogus"),
+    "sleep level": ("sleep", (3,), "level", 3),
+    "sleep mode": ("sleep", (1, "keep"), "mode", "keep"),
+    "wakeup no tag": ("wakeup", ([],), "tags", None),
+    "wakeup unknown tag": ("wakeup", (["bogus"],), "tags", None),
+    "abort unknown id": ("abort", (), "", None),
+}
+
+
+# an invalid tensor in place of ``(name, good)``: the tensor, and how the error names it
+INVALID_WEIGHTS: dict[str, Callable[[str, torch.Tensor], tuple[tuple[str, Any], str]]] = {
+    "wrong shape": lambda name, good: ((name, torch.zeros(3)), f"{name}: shape (3,)"),
+    "wrong dtype": lambda name, good: ((name, good.long()), f"{name}: dtype torch.int64"),
+    "unknown name": lambda name, good: (("no.such", good), "unknown tensor name 'no.such'"),
+}
+
+
 class Boom(RuntimeError):
     pass
+
+
+def admission_error(engine: Any) -> Exception | None:
+    """What ``generate`` would raise now, asked without admitting anything."""
+    try:
+        engine._check_admission()
+    except Exception as exc:
+        return exc
+    return None
 
 
 @functools.lru_cache(maxsize=2)
@@ -93,6 +134,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     dir_a: Path
     dir_b: Path
     backend: str
+    kind: str  # lifecycle_driver.KINDS
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,10 +154,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     def start_engine(self, when_asleep: str = "reject") -> None:
         self.when_asleep = when_asleep
         config = tiny_config(
-            self.dir_a, num_blocks=48, when_asleep=when_asleep, step_timeout=STEP_TIMEOUT
+            self.dir_a, num_blocks=NUM_BLOCKS, when_asleep=when_asleep, step_timeout=STEP_TIMEOUT
         )
         self.num_engines += 1
-        self.driver = EngineDriver(self.portal, config, self.num_engines)
+        self.driver = EngineDriver(self.portal, config, self.num_engines, self.kind)
         self.model = EngineModel(when_asleep)
 
     @property
@@ -192,7 +234,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             return live
 
         if self.d.run_sync(abort_now):  # live when aborted: nothing else may end it
-            req.allowed, req.must_end = {"abort"}, True
+            if self.d.inside:
+                req.allowed, req.must_end = {"abort"}, True
+            else:  # its end may be on its way from the engine process
+                req.may_end("abort")
 
     @precondition(lambda self: self.driver is not None and self.driver.requests)
     @rule(pick=st.integers(0, 255))
@@ -217,11 +262,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         result: tuple[set[str], Any] = self.d.call(call)
         return result
 
-    def expect(self, error: Any, want: type[Exception] | None) -> None:
+    def expect(self, error: Any, want: type[Exception] | None, action: str = "") -> None:
+        """``error`` is ``want`` (None: no error); an illegal call's message names the call
+        and the state, as DESIGN.md says."""
         if want is None:
             assert error is None, error
-        else:
-            assert isinstance(error, want), (error, want)
+            return
+        assert isinstance(error, want), (error, want)
+        if want is IllegalStateError:
+            assert str(error) == f"cannot {action} while the engine is {self.model.state}", error
 
     def requests_in(self, ids: set[str]) -> list[RequestModel]:
         return [r for r in self.d.requests if r.request_id in ids]
@@ -239,7 +288,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         was = self.model.state
         want = self.model.pause(mode)
         live, error = self.control(self.d.engine.pause, mode)
-        self.expect(error, want)
+        self.expect(error, want, "pause")
         if want is None and was is not S.SLEEPING:
             self.paused(self.requests_in(live), mode)
 
@@ -255,7 +304,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def resume(self) -> None:
         want = self.model.resume()
         _, error = self.control(self.d.engine.resume)
-        self.expect(error, want)
+        self.expect(error, want, "resume")
         self.released_if_running()
 
     def released_if_running(self) -> None:
@@ -272,16 +321,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         was = self.model.state
         want = self.model.sleep(level, mode)
         live, error = self.control(self.d.engine.sleep, level, mode)
-        self.expect(error, want)
+        self.expect(error, want, "sleep")
         if want is None and was is not S.SLEEPING:
             self.paused(self.requests_in(live), mode)
 
     @precondition(lambda self: self.model.alive)
-    @rule(tags=st.lists(st.sampled_from(["weights", "kv_cache"]), min_size=1, unique=True))
-    def wakeup(self, tags: list[str]) -> None:
+    @rule(
+        tags=st.lists(st.sampled_from(["weights", "kv_cache"]), min_size=1, unique=True),
+        busy=st.booleans(),
+    )
+    def wakeup(self, tags: list[str], busy: bool = False) -> None:
+        self.busy(busy)  # asleep with when_asleep="wait": a held request, released on wakeup
         want = self.model.wakeup(tags)
         _, error = self.control(self.d.engine.wakeup, tags)
-        self.expect(error, want)
+        self.expect(error, want, "wake up")
         self.weights_are(self.model.weights)
         self.released_if_running()
 
@@ -290,11 +343,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             req.weights_changed(weights)
 
     @precondition(lambda self: self.model.alive)
-    @rule(weights=st.sampled_from(["A", "B", "invalid"]))
+    @rule(weights=st.sampled_from(["A", "B", *INVALID_WEIGHTS]))
     def update_weights(self, weights: str) -> None:
-        if weights == "invalid":  # a valid tensor first: nothing may be applied
-            (name, tensor), (bad, _) = self.weights["B"][:2]
-            named = [(name, tensor), (bad, torch.zeros(3))]
+        culprit = ""
+        if weights in INVALID_WEIGHTS:  # a valid tensor first: nothing may be applied
+            (name, tensor), (bad, good) = self.weights["B"][:2]
+            wrong, culprit = INVALID_WEIGHTS[weights](bad, good)
+            named = [(name, tensor), wrong]
             want = self.model.update_weights(None)
         else:
             named = self.weights[weights]
@@ -306,9 +361,26 @@ class LifecycleMachine(RuleBasedStateMachine):
             kept.append(self.d.cached_prefixes())  # no step ran with the new weights yet
 
         _, error = self.control(update)
-        self.expect(error, want)
+        self.expect(error, want, "update weights")
+        if culprit and want is ValueError:
+            assert isinstance(error, InvalidRequestError) and error.field == "weights", error
+            assert culprit in str(error), (culprit, error)  # it names the tensor and the fault
         assert kept in ([], [0]), f"{kept} prefixes computed with the old weights kept"
         self.weights_are(self.model.weights)
+
+    @precondition(lambda self: self.model.alive)
+    @rule(call=st.sampled_from(sorted(INVALID_CALLS)))
+    def invalid_call(self, call: str) -> None:
+        """A call with an invalid argument raises ``InvalidRequestError`` naming it, in any
+        state, and changes nothing (the invariants check the state); an unknown id's abort
+        is a no-op."""
+        method, args, field, bad = INVALID_CALLS[call]
+        if method == "abort":
+            self.d.run_sync(self.d.engine.abort, "no-such-request")
+            return
+        _, error = self.control(getattr(self.d.engine, method), *args)
+        assert isinstance(error, InvalidRequestError) and error.field == field, (call, error)
+        assert bad is None or repr(bad) in str(error), (call, error)
 
     @precondition(lambda self: self.model.state is S.STOPPED)
     @rule()
@@ -329,7 +401,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         live, after = self.d.run_sync(stop_now)
         still_held = [r.request_id for r in held if r.request_id in after]
-        assert not still_held, f"held requests outlived stop(): {still_held}"
+        assert not still_held or not self.d.inside, f"held requests outlived stop(): {still_held}"
         for req in self.requests_in(live):
             if req.held or grace == 0 or self.model.sleeping:
                 req.may_end("abort")
@@ -340,7 +412,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- faults ---------------------------------------------------------------------
 
-    @precondition(lambda self: self.model.state is S.RUNNING)
+    @precondition(lambda self: self.model.state is S.RUNNING and self.d.inside)
     @rule(pick=st.integers(0, 255))
     def cache_error(self, pick: int) -> None:
         """One request's cache is not ready in the next few steps; a sibling shares them."""
@@ -358,7 +430,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.d.run_sync(arm)
         victim.may_end("error", CACHE_ERROR, now=False)  # if it runs in those steps
 
-    @precondition(lambda self: self.model.state is S.RUNNING and self.num_deaths < 2)
+    @precondition(
+        lambda self: self.model.state is S.RUNNING and self.num_deaths < 2 and self.d.inside
+    )
     @rule(kind=st.sampled_from(["raise", "hang"]))
     def step_fault(self, kind: str) -> None:
         self.num_deaths += 1
@@ -401,19 +475,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         model, d = self.model, self.d
 
         kv_alive = not model.alive or "kv_cache" not in model.sleeping
+        serving = model.state in (S.RUNNING, S.STOPPING)
+        held = {r.request_id for r in self.live() if r.held}
 
         def snapshot() -> dict[str, Any]:
             engine = d.engine
-            memory = list(engine.memory_stats().values())
             return {
                 "state": engine.state,
                 "tags": set(engine.sleeping_tags),
                 "is_sleeping": engine.is_sleeping,
                 "version": engine.weight_version,
-                "weights": any(m.weights_bytes for m in memory),
-                "kv_cache": any(m.kv_cache_bytes for m in memory),
-                "host": any(m.host_weights_bytes for m in memory),
-                "problems": d.blocks_problems(kv_cache_resident=kv_alive) + d.counter_problems(),
+                "admission": admission_error(engine),
+                "problems": d.blocks_problems(kv_cache_resident=kv_alive)
+                + d.placement_problems(serving, held)
+                + d.counter_problems()
+                + d.observer_problems()
+                + d.memory_problems(*model.memory()),
             }
 
         snap = d.run_sync(snapshot)
@@ -421,8 +498,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         tags = model.sleeping if model.alive else set()
         assert snap["tags"] == tags and snap["is_sleeping"] == bool(tags), (snap, tags)
         assert snap["version"] == model.version, (snap["version"], model.version)
-        memory = (snap["weights"], snap["kv_cache"], snap["host"])
-        assert memory == model.memory(), (memory, model.memory(), model)
+        want = model.admission_error()
+        assert type(snap["admission"]) is (want or type(None)), (snap["admission"], want, model)
         assert not snap["problems"], snap["problems"]
         due = [r for r in d.requests if r.must_end and not r.done.is_set()]
         late = d.wait_ended(due)
@@ -478,19 +555,35 @@ def tiny_llama_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-b"), arch="llama", seed=1)
 
 
+ENGINE_KINDS = [
+    pytest.param("uni", id="uni"),
+    pytest.param(
+        "mp",
+        id="mp",
+        marks=pytest.mark.skipif(not mp_executor_exists(), reason="no mp executor yet"),
+    ),
+    pytest.param("process", id="process"),
+]
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_lifecycle_state_machine(
-    backend: str, tiny_llama_dir: Path, tiny_llama_dir_b: Path
+    backend: str, kind: str, tiny_llama_dir: Path, tiny_llama_dir_b: Path
 ) -> None:
+    """The machine against one engine kind: in-process (``uni``), its model in a worker
+    process (``mp``), the whole engine in its own process (``process``); the last two with
+    fewer examples (each engine starts processes), and no process left behind."""
     machine = type(
         "Machine",
         (LifecycleMachine,),
-        {"dir_a": tiny_llama_dir, "dir_b": tiny_llama_dir_b, "backend": backend},
+        {"dir_a": tiny_llama_dir, "dir_b": tiny_llama_dir_b, "backend": backend, "kind": kind},
     )
+    children = child_pids()
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=EXAMPLES,
+            max_examples=EXAMPLES if kind == "uni" else PROCESS_EXAMPLES,
             stateful_step_count=STEPS,
             deadline=None,
             derandomize=DERANDOMIZE,
@@ -501,3 +594,4 @@ def test_lifecycle_state_machine(
             + ([] if os.environ.get("CI") else [Phase.shrink]),
         ),
     )
+    assert child_pids() <= children, "an engine left a process behind"

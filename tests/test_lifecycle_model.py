@@ -29,7 +29,10 @@ def test_a_consumer_cancelled_after_its_terminal_chunk_is_an_ordinary_end() -> N
     then the cancel landed at the consumer's next checkpoint, so it saw an end *and* was
     cancelled. The engine did nothing wrong; the check must judge that end as any other."""
     error = str(CacheNotReadyError("m0", "injected fault: cache not ready"))
-    chunks = [RequestOutput("m0", [182]), RequestOutput("m0", [], finish_reason="error", error=error)]
+    chunks = [
+        RequestOutput("m0", [182]),
+        RequestOutput("m0", [], finish_reason="error", error=error),
+    ]
     check_outcome(cancelled_victim(chunks, "error"), REFERENCE, version=0)
 
 
