@@ -13,6 +13,7 @@ public API, so the block and counter checks and the fault rules apply to those t
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -351,6 +352,7 @@ def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
             continue
         if hash_block(block.parent_hash, block.token_ids) != block.block_hash:
             problems.append(f"block {block.block_id}: its hash is not its tokens'")
+    problems += [f"cached prefix not hit: {p}" for p in unreachable_prefixes(bm)]
     for seq in running:
         parent = None
         for i, block_hash in enumerate(seq.block_hashes):  # the chain of its full blocks
@@ -370,6 +372,25 @@ def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
                     f"{block.token_ids} is not its content {tokens}"
                 )
     return problems
+
+
+def unreachable_prefixes(bm: Any) -> list[tuple[int, ...]]:
+    """Cached prefixes (every block of the chain cached) that a new prompt would not hit."""
+    by_hash = {h: bm.blocks[b] for h, b in bm._hash_to_block.items()}
+    missed = []
+    for block in by_hash.values():
+        chain = [block]
+        while chain[-1].parent_hash is not None and chain[-1].parent_hash in by_hash:
+            chain.append(by_hash[chain[-1].parent_hash])
+        if chain[-1].parent_hash is not None:
+            continue  # its parent was evicted: a prompt cannot reach it
+        tokens = tuple(t for b in reversed(chain) for t in b.token_ids)
+        prompt = types.SimpleNamespace(
+            token_ids=[*tokens, 0], num_tokens=len(tokens) + 1, reuse_cached_prefix=True
+        )
+        if len(bm._find_hits(prompt)) != len(chain):
+            missed.append(tokens)
+    return missed
 
 
 def read_dir_weights(model_dir: Path) -> list[tuple[str, Any]]:

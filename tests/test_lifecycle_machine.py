@@ -281,7 +281,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if busy and self.model.admission_error() is None:
             self.admit(1, MAX_TOKENS)
 
-    @precondition(lambda self: self.model.alive)
+    @precondition(lambda self: self.driver is not None)  # stopped too: refused
     @rule(mode=st.sampled_from(["abort", "drain", "keep"]), busy=st.booleans())
     def pause(self, mode: str, busy: bool = False) -> None:
         self.busy(busy)
@@ -299,7 +299,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             elif mode == "drain" and not req.held:
                 req.must_end = True  # drained: ended by now, naturally
 
-    @precondition(lambda self: self.model.alive)
+    @precondition(lambda self: self.driver is not None)  # stopped too: refused
     @rule()
     def resume(self) -> None:
         want = self.model.resume()
@@ -312,7 +312,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             for req in self.d.requests:
                 req.held = False
 
-    @precondition(lambda self: self.model.alive)
+    @precondition(lambda self: self.driver is not None)  # stopped too: refused
     @rule(
         level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]), busy=st.booleans()
     )
@@ -325,7 +325,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if want is None and was is not S.SLEEPING:
             self.paused(self.requests_in(live), mode)
 
-    @precondition(lambda self: self.model.alive)
+    @precondition(lambda self: self.driver is not None)  # stopped too: refused
     @rule(
         tags=st.lists(st.sampled_from(["weights", "kv_cache"]), min_size=1, unique=True),
         busy=st.booleans(),
@@ -342,11 +342,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         for req in self.live():
             req.weights_changed(weights)
 
-    @precondition(lambda self: self.model.alive)
-    @rule(weights=st.sampled_from(["A", "B", *INVALID_WEIGHTS]))
+    @precondition(lambda self: self.driver is not None)  # stopped too: refused
+    @rule(weights=st.sampled_from(["A", "B", "A from its directory", *INVALID_WEIGHTS]))
     def update_weights(self, weights: str) -> None:
         culprit = ""
-        if weights in INVALID_WEIGHTS:  # a valid tensor first: nothing may be applied
+        named: Any
+        if weights == "A from its directory":
+            named, want = str(self.dir_a), self.model.update_weights("A")
+        elif weights in INVALID_WEIGHTS:  # a valid tensor first: nothing may be applied
             (name, tensor), (bad, good) = self.weights["B"][:2]
             wrong, culprit = INVALID_WEIGHTS[weights](bad, good)
             named = [(name, tensor), wrong]
@@ -382,6 +385,29 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert isinstance(error, InvalidRequestError) and error.field == field, (call, error)
         assert bad is None or repr(bad) in str(error), (call, error)
 
+    @precondition(lambda self: self.model.admission_error() is None)
+    @rule(pick=st.integers(0, 255))
+    def duplicate_request_id(self, pick: int) -> None:
+        """A request id still in use is refused (``InvalidRequestError`` naming it)."""
+        live = sorted(self.d.live_ids())
+        if not live:
+            return
+        taken = live[pick % len(live)]
+
+        def generate() -> Exception | None:
+            if taken not in self.d.live_ids():
+                return None  # it ended meanwhile
+            try:
+                self.d.engine.generate(PROMPTS[0], SamplingParams(max_tokens=1), request_id=taken)
+            except Exception as exc:
+                return exc
+            raise AssertionError(f"a second request {taken!r} was admitted")
+
+        error = self.d.run_sync(generate)
+        if error is not None:
+            assert isinstance(error, InvalidRequestError), error
+            assert error.field == "request_id" and repr(taken) in str(error), error
+
     @precondition(lambda self: self.model.state is S.STOPPED)
     @rule()
     def start_fresh_engine(self) -> None:
@@ -409,6 +435,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 req.must_end = True  # they finish well within the grace
         assert self.d.run_future.result(timeout=BOUND) is None
         self.model.state = S.STOPPED
+        again = self.d.call(self.d.engine.run)
+        assert str(again) == "cannot run the engine twice while the engine is stopped", again
 
     # -- faults ---------------------------------------------------------------------
 

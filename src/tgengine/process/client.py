@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     import torch
 
 S = EngineState
+# How an IllegalStateError names a call, as Engine's do ("cannot wake up while ...").
+ACTIONS = {"wakeup": "wake up", "update_weights": "update weights"}
 
 
 class ProcessEngine:
@@ -278,7 +280,7 @@ class ProcessEngine:
 
     async def _call(self, method: str, *args: Any) -> None:
         if self._state in (S.STARTING, S.STOPPED, S.DEAD) or self._connection.lost.is_set():
-            raise IllegalStateError(method.replace("_", " "), str(self._state))
+            raise IllegalStateError(ACTIONS.get(method, method), str(self._state))
         await self._calls.call(method, *args)
 
     # -- introspection --------------------------------------------------------------
