@@ -115,6 +115,7 @@ class MPExecutor:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._reap()
+            self._memory = {rank: _released(m) for rank, m in self._memory.items()}
 
     def _merged_info(self) -> AgentInfo:
         infos = [r.info for r in self._ranks if r.info is not None]
@@ -254,3 +255,12 @@ class MPExecutor:
         if call.is_step:
             self.timings.add(time.perf_counter() - start, call.elapsed)
         return [call.results[rank] for rank in range(len(self._ranks))]
+
+
+def _released(memory: dict[str, MemoryStats]) -> dict[str, MemoryStats]:
+    """A rank's figures once its worker is gone: it holds nothing (as ``UniExecutor``'s
+    after its agent released its memory)."""
+    return {
+        key: dataclasses.replace(m, weights_bytes=0, kv_cache_bytes=0, host_weights_bytes=0)
+        for key, m in memory.items()
+    }
