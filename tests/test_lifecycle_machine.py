@@ -73,7 +73,7 @@ PROMPTS = [
 ]
 EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_EXAMPLES", "10"))
 # with the engine, or its model, in another process: each engine started costs a process
-PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "2"))
+PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "1"))
 STEPS = int(os.environ.get("TGENGINE_HYPOTHESIS_STEPS", "25"))
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
