@@ -142,7 +142,7 @@ class RequestModel:
     request_id: str
     engine_no: int
     prompt: int
-    max_tokens: int
+    max_tokens: int  # the tokens a "length" end has (fewer than asked where the context ends)
     stop_token: int | None
     weights: str | None  # the weight set its tokens come from; None once they changed under it
     break_after: int | None

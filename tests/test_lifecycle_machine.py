@@ -63,6 +63,7 @@ STEP_TIMEOUT = 1.0  # seconds: a tiny model's step takes milliseconds
 # Few blocks (block_size 4; the longest request needs 15): requests preempt each other, and
 # freed blocks, cached prefixes included, are soon reused for other content.
 NUM_BLOCKS = 24
+MAX_MODEL_LEN = 48  # below the longest prompt + MAX_TOKENS (25 + 32)
 PROMPTS = [
     [5, 17, 42, 99],
     list(range(40, 62)),
@@ -154,7 +155,11 @@ class LifecycleMachine(RuleBasedStateMachine):
     def start_engine(self, when_asleep: str = "reject") -> None:
         self.when_asleep = when_asleep
         config = tiny_config(
-            self.dir_a, num_blocks=NUM_BLOCKS, when_asleep=when_asleep, step_timeout=STEP_TIMEOUT
+            self.dir_a,
+            num_blocks=NUM_BLOCKS,
+            max_model_len=MAX_MODEL_LEN,
+            when_asleep=when_asleep,
+            step_timeout=STEP_TIMEOUT,
         )
         self.num_engines += 1
         self.driver = EngineDriver(self.portal, config, self.num_engines, self.kind)
@@ -191,13 +196,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         model = self.model
         want = model.admission_error()
         stop_token = None
-        if stop_at is not None and stop_at < max_tokens:
+        # the context ends a long request first: "length" at MAX_MODEL_LEN tokens in all
+        produced = min(max_tokens, MAX_MODEL_LEN - len(PROMPTS[prompt]))
+        if stop_at is not None and stop_at < produced:
             stop_token = self.reference[model.weights][prompt][stop_at]
         req = RequestModel(
             request_id=f"m{next(self.ids)}",
             engine_no=self.d.number,
             prompt=prompt,
-            max_tokens=max_tokens,
+            max_tokens=produced,
             stop_token=stop_token,
             weights=model.weights,
             break_after=break_after,
