@@ -186,6 +186,12 @@ class LifecycleMachine(RuleBasedStateMachine):
     ) -> None:
         self.admit(prompt, max_tokens, stop_at, break_after)
 
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), after=st.integers(1, 3))
+    def submit_and_break_off(self, prompt: int, after: int) -> None:
+        """A consumer that leaves after a few chunks of a long request (dropping its
+        stream must abort it at once)."""
+        self.admit(prompt, MAX_TOKENS, None, after)
+
     def admit(
         self,
         prompt: int,
