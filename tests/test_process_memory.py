@@ -3,8 +3,9 @@
 Both found by the lifecycle machine. ``ProcessEngine``: the snapshot sent with ``Ready``
 reused memory figures read before the model was loaded (memory was only re-read after a
 control call or a heartbeat later), so for up to 0.5 s a started engine reported 0 bytes.
-The ``mp`` executor: after ``stop()`` it still reported its workers' last figures, where an
-in-process engine reports that it holds nothing.
+Both, after ``stop()``: they reported the last figures they had from the other process (for
+``ProcessEngine`` only when its last snapshot predated the release), where an in-process
+engine reports that it holds nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ async def test_memory_stats_right_after_start_shows_the_loaded_model(tiny_llama_
             memory = list(engine.memory_stats().values())  # no await since started()
             engine.stop()
     assert memory and all(m.weights_bytes > 0 and m.kv_cache_bytes > 0 for m in memory), memory
+    stopped = list(engine.memory_stats().values())  # the last snapshot may predate the release
+    assert not any(m.weights_bytes or m.kv_cache_bytes or m.host_weights_bytes for m in stopped)
     assert child_pids() <= children
 
 

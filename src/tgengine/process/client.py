@@ -320,8 +320,15 @@ class ProcessEngine:
         return self._ready.max_model_len if self._ready else 0
 
     def memory_stats(self) -> dict[str, MemoryStats]:
-        """The engine process's figures, as of its latest snapshot."""
-        return dict(self._snapshot.memory) if self._snapshot else {}
+        """The engine process's figures, as of its latest snapshot; once it is gone, it
+        holds nothing (its last snapshot may predate its release of memory)."""
+        memory = dict(self._snapshot.memory) if self._snapshot else {}
+        if self._state in (S.STOPPED, S.DEAD):
+            return {
+                key: dataclasses.replace(m, weights_bytes=0, kv_cache_bytes=0, host_weights_bytes=0)
+                for key, m in memory.items()
+            }
+        return memory
 
     def stats(self) -> EngineStats:
         """The engine process's stats as of its latest snapshot (at most ~0.5 s old),
