@@ -1,9 +1,9 @@
 """``memory_stats()`` when the model lives in another process agrees with in-process.
 
-Both found by the lifecycle machine. ``ProcessEngine``: the snapshot sent with ``Ready``
+All found by the lifecycle machine. ``ProcessEngine``: the snapshot sent with ``Ready``
 reused memory figures read before the model was loaded (memory was only re-read after a
 control call or a heartbeat later), so for up to 0.5 s a started engine reported 0 bytes.
-Both, after ``stop()``: they reported the last figures they had from the other process (for
+``ProcessEngine`` and the ``mp`` executor, after ``stop()``: they reported the last figures they had from the other process (for
 ``ProcessEngine`` only when its last snapshot predated the release), where an in-process
 engine reports that it holds nothing.
 """
