@@ -70,6 +70,7 @@ class EngineDriver:
         self.engine_requests: list[Any] = []  # the engine's own Request objects (inside)
         self.prompt_tokens = 0
         self.awake_memory: dict[str, int] = {}  # bytes once resident, the same ever after
+        self.step_problems: list[str] = []  # found after a step (inside kinds)
         self.finished_stats: list[RequestStats] = []  # what observers were told
         self.engine.observers.append(self)
         if self.inside:
@@ -86,6 +87,20 @@ class EngineDriver:
                     req.engine_reason = request.finish_reason
 
         tracker.finish_hooks.append(record)
+        self.engine._loop.step_hooks.append(self._after_step)
+
+    def _after_step(self, num_batched_tokens: int) -> None:
+        """The prefix cache's consistency after every step, not only between rules: a
+        request can start and end between two rules."""
+        scheduler = self.engine._loop.scheduler
+        if scheduler is None or len(self.step_problems) > 10:
+            return
+        bm = scheduler.block_manager
+        try:
+            bm.check_invariants()
+        except RuntimeError as exc:
+            self.step_problems.append(f"after step {self.engine._loop.num_steps}: {exc}")
+        self.step_problems += prefix_problems(bm, scheduler.running)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``await fn(*args)`` in the loop, bounded; return its result or its exception."""
@@ -257,7 +272,7 @@ class EngineDriver:
         for seq in [*scheduler.running, *scheduler.waiting]:
             if tracker.get(seq.seq_id) is None:
                 problems.append(f"{seq.seq_id} is scheduled but ended")
-        problems += prefix_problems(bm, scheduler.running)
+        problems += prefix_problems(bm, scheduler.running) + self.step_problems
         stats = self.engine.stats()
         if stats.num_running + stats.num_waiting != len(tracker):
             problems.append(f"running + waiting != admitted: {stats}, {len(tracker)}")

@@ -60,9 +60,9 @@ from process_helpers import child_pids
 S = EngineState
 MAX_TOKENS = 32
 STEP_TIMEOUT = 1.0  # seconds: a tiny model's step takes milliseconds
-# Few blocks (block_size 4; a request needs up to 12): requests preempt each other, and
-# freed blocks, cached prefixes included, are soon reused for other content.
-NUM_BLOCKS = 16
+# Few blocks (block_size 4; a request needs up to 12 at max_model_len): requests preempt each
+# other, and freed blocks, cached prefixes included, are soon reused for other content.
+NUM_BLOCKS = 12
 MAX_MODEL_LEN = 48  # below the longest prompt + MAX_TOKENS (25 + 32)
 PROMPTS = [
     [5, 17, 42, 99],

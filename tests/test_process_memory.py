@@ -3,9 +3,9 @@
 All found by the lifecycle machine. ``ProcessEngine``: the snapshot sent with ``Ready``
 reused memory figures read before the model was loaded (memory was only re-read after a
 control call or a heartbeat later), so for up to 0.5 s a started engine reported 0 bytes.
-``ProcessEngine`` and the ``mp`` executor, after ``stop()``: they reported the last figures they had from the other process (for
-``ProcessEngine`` only when its last snapshot predated the release), where an in-process
-engine reports that it holds nothing.
+``ProcessEngine`` and the ``mp`` executor, after ``stop()``: they reported the last figures
+they had from the other process (for ``ProcessEngine`` only when its last snapshot
+predated the release), where an in-process engine reports that it holds nothing.
 """
 
 from __future__ import annotations
