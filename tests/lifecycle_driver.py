@@ -162,7 +162,7 @@ class EngineDriver:
         """The requests the engine has not ended (for the engine process: as far as this
         process knows; the end may be on its way)."""
         if not self.inside:
-            return set(self.engine._keys_by_id)
+            return set(self.engine._requests._keys_by_id)
         tracker = self.engine._loop.tracker
         return set(tracker.requests) if tracker is not None else set()
 
@@ -210,7 +210,7 @@ class EngineDriver:
 
     def _gone(self, request_id: str) -> bool:
         if not self.inside:
-            return request_id not in self.engine._keys_by_id
+            return request_id not in self.engine._requests._keys_by_id
         tracker, scheduler = self.engine._loop.tracker, self.engine._loop.scheduler
         in_tracker = tracker is not None and tracker.get(request_id) is not None
         return not in_tracker and (scheduler is None or scheduler.get(request_id) is None)
@@ -375,7 +375,8 @@ def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
             if block_hash != hash_block(parent, tokens):
                 problems.append(f"{seq.seq_id}: block #{i}'s hash is not its prefix's")
             parent = block_hash
-        for i, block_id in enumerate(seq.block_table):
+        first = seq.num_released_blocks  # blocks a sliding window let go of (none here)
+        for i, block_id in enumerate(seq.block_table, start=first):
             block = bm.blocks[block_id]
             if block.block_hash is None:
                 continue
