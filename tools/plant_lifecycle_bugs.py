@@ -118,8 +118,8 @@ BUGS: dict[str, tuple[str, str, str]] = {
     ),
     "level1-sleep-drops-weights": (
         "model_agent.py",
-        "            if level == 1:\n                self._host_weights = {",
-        "            if level == 3:\n                self._host_weights = {",
+        "            if level == 1:\n",
+        "            if level == 3:\n",
     ),
 }
 
