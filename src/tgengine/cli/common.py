@@ -36,8 +36,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--prepack-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on CPU, replace the linear weights by their oneDNN-packed form where this CPU "
-        "packs the dtype: faster products, still one copy (default: on)",
+        help="on CPU, replace the linear weights by their packed form (oneDNN's, or "
+        "tgengine's panels for bf16/fp16 on AVX2): faster products, still one copy "
+        "(default: on)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
