@@ -52,6 +52,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// x and the bias widened to float32 once per product (they are small; the weight is not).
+template <int Dtype>
+struct Widened {
+  std::vector<float> x, bias;
+  Widened(const uint16_t* xh, int64_t x_size, const uint16_t* bias_h, int64_t n)
+      : x(static_cast<size_t>(x_size)), bias(bias_h ? static_cast<size_t>(n) : 0) {
+    for (int64_t i = 0; i < x_size; ++i) x[i] = half_to_float(xh[i], Dtype);
+    for (size_t i = 0; i < bias.size(); ++i) bias[i] = half_to_float(bias_h[i], Dtype);
+  }
+  const float* bias_or_null() const { return bias.empty() ? nullptr : bias.data(); }
+};
+
 // acc[r][c] = x[r] . w[c] over k (a multiple of 8) for MR rows of x and NR rows of w.
 template <int Dtype, int MR, int NR>
 inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k,
@@ -122,20 +134,14 @@ void tiles(const float* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, c
 template <int Dtype>
 void linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* w, int64_t n,
             const uint16_t* bias_h, uint16_t* out, int threads) {
-  std::vector<float> x(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) x[i] = half_to_float(xh[i], Dtype);
-  std::vector<float> bias;
-  if (bias_h) {
-    bias.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) bias[i] = half_to_float(bias_h[i], Dtype);
-  }
-  const float* b = bias_h ? bias.data() : nullptr;
+  const Widened<Dtype> in(xh, m * k, bias_h, n);
+  const float* b = in.bias_or_null();
   if (k % 8 != 0) {  // the tiles step k by 8 (hidden sizes are multiples of 8)
-    scalar_block<Dtype>(x.data(), 0, m, w, 0, n, k, b, out, n);
+    scalar_block<Dtype>(in.x.data(), 0, m, w, 0, n, k, b, out, n);
   } else if (m == 1) {  // memory-bound: more weight rows in flight
-    tiles<Dtype, 4>(x.data(), m, k, w, n, b, out, threads);
+    tiles<Dtype, 4>(in.x.data(), m, k, w, n, b, out, threads);
   } else {  // 4 x 3 accumulators + 3 weight vectors + 1 of x: the 16 AVX registers
-    tiles<Dtype, 3>(x.data(), m, k, w, n, b, out, threads);
+    tiles<Dtype, 3>(in.x.data(), m, k, w, n, b, out, threads);
   }
 }
 
@@ -187,14 +193,8 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
 template <int Dtype>
 void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
                   const uint16_t* bias_h, uint16_t* out, int threads) {
-  std::vector<float> x(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) x[i] = half_to_float(xh[i], Dtype);
-  std::vector<float> bias;
-  if (bias_h) {
-    bias.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) bias[i] = half_to_float(bias_h[i], Dtype);
-  }
-  const float* b = bias_h ? bias.data() : nullptr;
+  const Widened<Dtype> in(xh, m * k, bias_h, n);
+  const float* b = in.bias_or_null();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t m6 = m - m % 6;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -202,53 +202,44 @@ void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* pane
     const uint16_t* panel = panels + p * k * kPanel;
     const int64_t n0 = p * kPanel;
     int64_t r = 0;
-    for (; r < m6; r += 6) panel_tile<Dtype, 6>(&x[r * k], k, panel, b, n0, n, out + r * n);
+    for (; r < m6; r += 6) panel_tile<Dtype, 6>(&in.x[r * k], k, panel, b, n0, n, out + r * n);
     switch (m - r) {
-      case 5: panel_tile<Dtype, 5>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 4: panel_tile<Dtype, 4>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 3: panel_tile<Dtype, 3>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 2: panel_tile<Dtype, 2>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 1: panel_tile<Dtype, 1>(&x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 5: panel_tile<Dtype, 5>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 4: panel_tile<Dtype, 4>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 3: panel_tile<Dtype, 3>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 2: panel_tile<Dtype, 2>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 1: panel_tile<Dtype, 1>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
       default: break;
     }
   }
+}
+
+using Product = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                        const uint16_t*, uint16_t*, int);
+
+// Checks the sizes and runs the product's bf16 or fp16 instance: 0, or a refusal status.
+int run_product(Product bf16, Product f16, int dtype, const void* x, int64_t m, int64_t k,
+                const void* w, int64_t n, const void* bias, void* out, int threads) {
+  if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
+  Product product = dtype == kBf16 ? bf16 : dtype == kF16 ? f16 : nullptr;
+  if (product == nullptr) return 2;
+  product(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(w), n,
+          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), threads);
+  return 0;
 }
 
 }  // namespace
 
 extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, const void* w,
                               int64_t n, const void* bias, void* out, int threads) {
-  auto xs = static_cast<const uint16_t*>(x);
-  auto ws = static_cast<const uint16_t*>(w);
-  auto bs = static_cast<const uint16_t*>(bias);
-  auto os = static_cast<uint16_t*>(out);
-  if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
-  if (dtype == kBf16) {
-    linear<kBf16>(xs, m, k, ws, n, bs, os, threads);
-  } else if (dtype == kF16) {
-    linear<kF16>(xs, m, k, ws, n, bs, os, threads);
-  } else {
-    return 2;
-  }
-  return 0;
+  return run_product(linear<kBf16>, linear<kF16>, dtype, x, m, k, w, n, bias, out, threads);
 }
 
 extern "C" int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k,
                                const void* panels, int64_t n, const void* bias, void* out,
                                int threads) {
-  auto xs = static_cast<const uint16_t*>(x);
-  auto ps = static_cast<const uint16_t*>(panels);
-  auto bs = static_cast<const uint16_t*>(bias);
-  auto os = static_cast<uint16_t*>(out);
-  if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
-  if (dtype == kBf16) {
-    panel_linear<kBf16>(xs, m, k, ps, n, bs, os, threads);
-  } else if (dtype == kF16) {
-    panel_linear<kF16>(xs, m, k, ps, n, bs, os, threads);
-  } else {
-    return 2;
-  }
-  return 0;
+  return run_product(panel_linear<kBf16>, panel_linear<kF16>, dtype, x, m, k, panels, n, bias,
+                     out, threads);
 }
 
 extern "C" int tg_half_linear_available() { return 1; }
