@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+# The processes tests start (engine processes, mp workers, Ray workers) unpickle fault plans
+# and helpers defined here, by module name: they get this directory on their path too, as
+# pytest gives it to this process.
+_TESTS = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
