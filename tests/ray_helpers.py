@@ -6,7 +6,6 @@ plan), so it imports nothing heavy at module level.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,17 +58,18 @@ def rank_actor_pids() -> set[int]:
 
 def wait_gone(pids: Iterable[int], timeout: float = GONE_TIMEOUT) -> set[int]:
     """The processes of ``pids`` still alive after up to ``timeout`` seconds (want: none)."""
-    deadline = time.monotonic() + timeout
-    alive = set(pids)
-    while alive and time.monotonic() < deadline:
-        alive = {pid for pid in alive if _alive(pid)}
-        if alive:
-            time.sleep(0.05)
-    return alive
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return {p.pid for p in alive if _alive(p)}
 
 
-def _alive(pid: int) -> bool:
+def _alive(process: psutil.Process) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False

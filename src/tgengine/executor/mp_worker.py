@@ -10,9 +10,7 @@ orphan watchdog. SIGINT and SIGTERM are ignored: the parent decides when ranks s
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import socket
 import sys
 import time
@@ -25,6 +23,7 @@ from .._task_status import StartedOnce
 from ..model_agent import AgentInfo
 from ..process.errors import portable
 from ..process.orphan import ParentWatch
+from ..process.spawn import child_args
 from ..process.wire import Channel
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import Execute, RankSpec, RankWorker
@@ -115,14 +114,8 @@ async def _send(channel: Channel, parent: ParentWatch, message: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tgengine.executor.mp_worker")
-    parser.add_argument("--fd", type=int, required=True, help="the socket to the parent")
-    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = socket.socket(fileno=args.fd)
-    return anyio.run(serve_parent, sock, backend=args.backend)
+    sock, backend = child_args("python -m tgengine.executor.mp_worker", argv)
+    return anyio.run(serve_parent, sock, backend=backend)
 
 
 if __name__ == "__main__":

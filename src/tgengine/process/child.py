@@ -8,9 +8,7 @@ watchdog. SIGINT and SIGTERM are ignored: the parent decides when the engine sto
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import socket
 import sys
 
@@ -21,6 +19,7 @@ from .._faults import FaultInjector
 from ..engine import Engine
 from .host import EngineHost
 from .messages import Setup
+from .spawn import child_args
 from .wire import Channel
 
 
@@ -42,16 +41,8 @@ async def serve_parent(sock: socket.socket) -> BaseException | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tgengine.process.child")
-    parser.add_argument("--fd", type=int, required=True, help="the socket to the parent")
-    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
-    args = parser.parse_args(argv)
-    # The parent alone stops this process (a Ctrl-C reaches the whole process group; the
-    # parent then drains through it); a dead parent is noticed without any signal.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = socket.socket(fileno=args.fd)
-    cause = anyio.run(serve_parent, sock, backend=args.backend)
+    sock, backend = child_args("python -m tgengine.process.child", argv)
+    cause = anyio.run(serve_parent, sock, backend=backend)
     return 1 if cause is not None else 0
 
 

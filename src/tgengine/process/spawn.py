@@ -7,6 +7,8 @@ process (``process.child``) and for the ``mp`` executor's workers.
 
 from __future__ import annotations
 
+import argparse
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +39,22 @@ async def spawn_child(module: str) -> tuple[anyio.abc.Process, Channel]:
     except BaseException:
         parent.close()
         raise
+
+
+def child_args(prog: str, argv: list[str] | None = None) -> tuple[socket.socket, str]:
+    """The child's side of ``spawn_child``: its socket to the parent and the parent's backend.
+
+    The parent alone stops the child (a Ctrl-C reaches the whole process group; the parent
+    then drains through it), so SIGINT and SIGTERM are ignored from here on; a dead parent
+    is noticed without any signal.
+    """
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the parent")
+    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return socket.socket(fileno=args.fd), args.backend
 
 
 def current_backend() -> str:
