@@ -289,3 +289,83 @@ def test_a_failing_peer_is_reported_and_the_bench_goes_on(
     error = result["peers"]["llamacpp t=1"]["error"]
     assert "status 3" in error and "failing on purpose" in error
     assert "peer llamacpp t=1: FAILED" in capsys.readouterr().out
+
+
+# -- bench memory with the fake vLLM ----------------------------------------------------
+
+
+def _memory_bench(
+    model_dir: Path, tmp_path: Path, tokens: int, *extra: str
+) -> tuple[int, dict[str, Any]]:
+    """``bench memory --quick`` (its own tiny synthetic model) with tgengine only; ``--model``
+    only picks the bench's setup."""
+    out = tmp_path / "out"
+    memory = ["bench", "memory", "--model", str(model_dir), "--model-dir", str(tmp_path / "m")]
+    options = ["--systems", "tgengine", "--decode-tokens", str(tokens), "--out", str(out)]
+    args = build_parser().parse_args([*memory, *QUICK, *options, *extra])
+    code = args.handler(args)
+    result = json.loads((out / "memory.json").read_text()) if code == 0 else {}
+    return code, result
+
+
+def test_memory_bench_runs_the_vllm_peer(
+    tiny_llama_dir: Path, tmp_path: Path, fakes: dict[str, Any]
+) -> None:
+    from tgengine.bench.memory_probe import BATCH_SIZE, PROMPT
+
+    before = _descendants()
+    code, result = _memory_bench(
+        tiny_llama_dir,
+        tmp_path,
+        3,
+        "--peer",
+        f"vllm={fakes['python']}",
+        "--peer-logs",
+        str(tmp_path / "logs"),
+    )
+    assert code == 0
+    assert _descendants() == before
+    rows = {r["system"]: r for r in result["rows"]}
+    assert list(rows) == ["tgengine", "vllm t=1"]  # the peer at the bench's --threads
+    tg, vllm = rows["tgengine"], rows["vllm t=1"]
+    assert vllm["peer"] == "vllm" and vllm["threads"] == 1 and tg["threads"] == 1
+    assert vllm["kv_cache_bytes"] == tg["kv_cache_bytes"] > 0
+    # The driver and the fake's engine core, each a python with its imports: summed.
+    assert vllm["processes"] >= 2
+    assert vllm["steady_rss_bytes"] > 1.5 * vllm["python_rss_bytes"] > 0
+    assert vllm["load_peak_rss_bytes"] >= vllm["loaded_rss_bytes"] > 0
+    assert vllm["peak_rss_bytes"] >= vllm["load_peak_rss_bytes"]
+    assert vllm["steady_pss_bytes"] > 0
+    assert vllm["output_tokens"] == BATCH_SIZE * 3
+    assert vllm["batch_tokens_per_s"] > 0 and vllm["decode_tokens_per_s"] > 0
+    assert result["peers"]["vllm t=1"]["version"] == "0.0.fake"
+    assert (tmp_path / "logs" / "vllm-memory-t1.log").is_file()
+
+    records = _records(fakes["record"])
+    llm = next(r for r in records if "llm" in r)
+    assert llm["llm"]["kv_cache_memory_bytes"] == tg["kv_cache_bytes"]
+    assert llm["kvcache_space"] is None  # unset: vLLM would let it win over the job's size
+    assert llm["bind"] == cpu_binding(1)
+    assert _gone(llm["engine_core_pid"])
+    generates = [r["generate"] for r in records if "generate" in r]
+    # The same prompts and decode tokens as tgengine's rows: the batch, then the single
+    # stream as a 1-token request and the whole one.
+    assert generates[-3:] == [
+        [[len(PROMPT) + 1, 3]] * BATCH_SIZE,
+        [[len(PROMPT), 1]],
+        [[len(PROMPT), 3]],
+    ]
+    text = (tmp_path / "out" / "memory.txt").read_text()
+    assert "vllm t=1" in text and "sums over its 2 processes" in text
+
+
+def test_memory_bench_takes_only_vllm_peers(
+    tiny_llama_dir: Path, tmp_path: Path, fakes: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _descendants()
+    code, _ = _memory_bench(
+        tiny_llama_dir, tmp_path, 3, "--peer", f"llamacpp={fakes['server']},{fakes['gguf']}"
+    )
+    assert code != 0 and _descendants() == before
+    assert "only vllm peers" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

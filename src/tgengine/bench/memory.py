@@ -6,6 +6,11 @@ so that the peak RSS while loading is that system's and nothing else's, and repo
 process RSS after its imports, its peak while loading, its steady RSS after a batched step
 and a batch-1 decode, and their speed. tgengine's steady RSS is compared with what
 ``memory_stats()`` says its weights and KV cache take.
+
+Peers (``--peer vllm=PYTHON``: vLLM's CPU backend in its own environment) run after them on
+the same model, prompts and decode tokens, with tgengine's KV cache size (``peers.memory_job``;
+what they measure and how: ``peers/vllm_memory.py``). vLLM runs the model in processes of its
+own, so its memory figures are sums over its process tree.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 import torch
 
 from .common import BenchSetup
+from .memory_probe import BATCH_SIZE, PROMPT
+from .peers import PeerPlan, memory_job, run_peers
 from .synthetic import _byte_tokenizer
 
 # Llama-3.2-1B's shape (tied embeddings): 1.24 B parameters, 2.47 GB in bf16.
@@ -41,6 +48,8 @@ LLAMA_1B: dict[str, Any] = {
     "pad_token_id": 2,
 }
 _SHARD_BYTES = 1 << 30
+# A peer's KV cache when tgengine did not run and --kv-cache-memory is not given.
+_PEER_KV_BYTES = 1 << 30
 
 
 def write_synthetic_1b(path: Path, shape: dict[str, Any] | None = None) -> Path:
@@ -82,8 +91,14 @@ def write_synthetic_1b(path: Path, shape: dict[str, Any] | None = None) -> Path:
 
 
 def run_memory(
-    setup: BenchSetup, *, model_dir: Path, systems: tuple[str, ...], decode_tokens: int
+    setup: BenchSetup,
+    *,
+    model_dir: Path,
+    systems: tuple[str, ...],
+    decode_tokens: int,
+    peers: PeerPlan | None = None,
 ) -> dict[str, Any]:
+    """Each of ``systems`` in a child process, then each of ``peers`` at each of its threads."""
     rows = []
     for system in systems:
         args = [sys.executable, "-m", "tgengine.bench.memory_probe", system, str(model_dir)]
@@ -94,9 +109,14 @@ def run_memory(
         done = subprocess.run(args, check=True, capture_output=True, text=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         row["wall_s"] = time.perf_counter() - started
+        row["threads"] = setup.threads
         rows.append(row)
-    checkpoint = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     tg = next((r for r in rows if r["system"] == "tgengine"), None)
+    peer_info = {}
+    if peers is not None and peers.peers:
+        kv = tg["kv_cache_bytes"] if tg else setup.kv_cache_memory or _PEER_KV_BYTES
+        peer_info = _peer_rows(setup, peers, model_dir, decode_tokens, kv, rows)
+    checkpoint = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     summary: dict[str, Any] = {"checkpoint_bytes": checkpoint}
     if tg is not None:
         budget = tg["weights_bytes"] + tg["kv_cache_bytes"]
@@ -109,4 +129,37 @@ def run_memory(
         "workload": {"model": os.fspath(model_dir), "decode_tokens": decode_tokens},
         "rows": rows,
         "summary": summary,
+        "peers": peer_info,
     }
+
+
+def _peer_rows(
+    setup: BenchSetup,
+    plan: PeerPlan,
+    model_dir: Path,
+    decode_tokens: int,
+    kv_cache_bytes: int,
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Each peer at each thread count, its row appended to ``rows``; what each peer run
+    reported besides its figures (version, start-up time, or its error)."""
+    info = {}
+    for run in run_peers(
+        plan,
+        lambda threads: memory_job(
+            os.fspath(model_dir),
+            setup.dtype,
+            threads,
+            batch=[[*PROMPT, i] for i in range(BATCH_SIZE)],
+            single=PROMPT,
+            max_tokens=decode_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+        ),
+        progress=setup.progress,
+    ):
+        info[run.label] = run.info()
+        if run.result is not None:
+            rows.append(
+                run.result | {"system": run.label, "peer": run.peer.kind, "threads": run.threads}
+            )
+    return info

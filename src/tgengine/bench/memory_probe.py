@@ -18,8 +18,8 @@ from ..model_agent import process_rss
 from ..open_engine import open_engine
 from ..sampling import SamplingParams
 
-_BATCH = 8
-_PROMPT = list(range(100, 164))
+BATCH_SIZE = 8
+PROMPT = list(range(100, 164))
 
 
 async def _tgengine(
@@ -36,12 +36,12 @@ async def _tgengine(
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         begin = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            for i in range(_BATCH):
-                tg.start_soon(_drain, engine.generate([*_PROMPT, i], params))
-        batch_tps = _BATCH * tokens / (time.perf_counter() - begin)
+            for i in range(BATCH_SIZE):
+                tg.start_soon(_drain, engine.generate([*PROMPT, i], params))
+        batch_tps = BATCH_SIZE * tokens / (time.perf_counter() - begin)
         first = None
         begin = time.perf_counter()
-        async for _chunk in engine.generate(_PROMPT, params):
+        async for _chunk in engine.generate(PROMPT, params):
             first = first or time.perf_counter()
         decode_tps = (tokens - 1) / (time.perf_counter() - (first or begin))
         stats = next(iter(engine.memory_stats().values()))
@@ -76,11 +76,11 @@ def _transformers(model_dir: str, dtype: str, threads: int, tokens: int) -> dict
     _, load_peak = process_rss()
     kwargs = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False}
     with torch.inference_mode():
-        batch = torch.tensor([[*_PROMPT, i] for i in range(_BATCH)])
+        batch = torch.tensor([[*PROMPT, i] for i in range(BATCH_SIZE)])
         begin = time.perf_counter()
         model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
-        batch_tps = _BATCH * tokens / (time.perf_counter() - begin)
-        one = torch.tensor([_PROMPT])
+        batch_tps = BATCH_SIZE * tokens / (time.perf_counter() - begin)
+        one = torch.tensor([PROMPT])
         begin = time.perf_counter()
         model.generate(one, attention_mask=torch.ones_like(one), **kwargs)
         decode_tps = tokens / (time.perf_counter() - begin)

@@ -231,14 +231,19 @@ def _lifecycle(result: dict[str, Any]) -> str:
     return out
 
 
+def _mib(value: int | None) -> float | str:
+    return "-" if value is None else value / _MIB
+
+
 def _memory(result: dict[str, Any]) -> str:
     rows = [
         {
             "system": r["system"],
+            "threads": r.get("threads", ""),
             "base": r["base_rss_bytes"] / _MIB,
             "load_peak": r["load_peak_rss_bytes"] / _MIB,
             "steady": r["steady_rss_bytes"] / _MIB,
-            "weights": r["weights_bytes"] / _MIB,
+            "weights": _mib(r.get("weights_bytes")),
             "kv": r["kv_cache_bytes"] / _MIB,
             "load_s": r["load_s"],
             "batch": r["batch_tokens_per_s"],
@@ -250,6 +255,7 @@ def _memory(result: dict[str, Any]) -> str:
         rows,
         [
             ("system", "system (MiB)"),
+            ("threads", "threads"),
             ("base", "RSS after imports"),
             ("load_peak", "peak RSS loading"),
             ("steady", "steady RSS"),
@@ -268,6 +274,15 @@ def _memory(result: dict[str, Any]) -> str:
             f"{s['steady_over_weights_and_kv_bytes'] / _MIB:.0f} MiB; "
             f"peak / steady = {s['peak_over_steady']:.3f}"
         )
+    for r in result["rows"]:
+        if r.get("peer"):
+            out += (
+                f"\n{r['system']}: sums over its {r['processes']} processes (RSS counts shared "
+                f"pages once per process; PSS splits them): PSS peak loading "
+                f"{r['load_peak_pss_bytes'] / _MIB:.0f} MiB, steady "
+                f"{r['steady_pss_bytes'] / _MIB:.0f} MiB; load s = its start-up, compile "
+                "included; weights not reported"
+            )
     return out
 
 
@@ -425,7 +440,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         for i, key in enumerate(("load_peak_rss_bytes", "steady_rss_bytes", "weights_bytes")):
             axes[0].barh(
                 [j + 0.25 * i for j in range(len(rows))],
-                [r[key] / _MIB for r in rows],
+                [(r.get(key) or 0) / _MIB for r in rows],
                 height=0.25,
                 label=key.removesuffix("_bytes"),
             )

@@ -4,7 +4,8 @@ Each subcommand runs one bench (``tgengine.bench``) in this process, prints its 
 with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
 ``--quick`` shrinks every size so that a run on a tiny model takes seconds (tests, smoke
 runs); its numbers mean nothing. ``throughput`` and ``latency`` take ``--peer`` (vLLM CPU,
-llama.cpp; ``tgengine.bench.peers``), each run in its own environment after tgengine.
+llama.cpp; ``tgengine.bench.peers``), each run in its own environment after tgengine;
+``memory`` takes ``--peer vllm=PYTHON``.
 """
 
 from __future__ import annotations
@@ -68,15 +69,18 @@ def _peer_threads(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _peer_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tgengine-threads",
-        type=_ints,
-        default=(),
-        metavar="N,N",
-        help="run tgengine once per thread count (rows 'tgengine t=N'); its best run is "
-        "compared (default: once, at --threads)",
-    )
+def _peer_options(parser: argparse.ArgumentParser, *, memory: bool = False) -> None:
+    """``--peer`` and its options; ``memory``: for ``bench memory`` (vLLM only, no
+    ``--tgengine-threads``, peers at ``--threads`` unless ``--peer-threads`` says more)."""
+    if not memory:
+        parser.add_argument(
+            "--tgengine-threads",
+            type=_ints,
+            default=(),
+            metavar="N,N",
+            help="run tgengine once per thread count (rows 'tgengine t=N'); its best run is "
+            "compared (default: once, at --threads)",
+        )
     group = parser.add_argument_group(
         "peers", "other engines, each in its own environment, run after tgengine on the same work"
     )
@@ -86,17 +90,18 @@ def _peer_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KIND=PATH",
-        help="vllm=PYTHON (the python of vLLM's environment), llamacpp=LLAMA_SERVER or "
-        "llamacpp=LLAMA_SERVER,GGUF; repeatable",
+        help="vllm=PYTHON (the python of vLLM's environment)"
+        + ("" if memory else ", llamacpp=LLAMA_SERVER or llamacpp=LLAMA_SERVER,GGUF; repeatable"),
     )
-    group.add_argument("--peer-gguf", metavar="FILE", help="the GGUF llama.cpp serves")
+    if not memory:
+        group.add_argument("--peer-gguf", metavar="FILE", help="the GGUF llama.cpp serves")
     group.add_argument(
         "--peer-threads",
         type=_peer_threads,
-        default=(1, 2),
+        default=None if memory else (1, 2),
         metavar="N,N",
-        help="thread counts every peer runs at ('default': its own); the best one is "
-        "compared (default: 1,2)",
+        help="thread counts every peer runs at ('default': its own)"
+        + ("(default: --threads)" if memory else "; the best one is compared (default: 1,2)"),
     )
     group.add_argument(
         "--peer-timeout",
@@ -112,7 +117,7 @@ def _peer_plan(args: argparse.Namespace) -> Any:
     """The ``PeerPlan`` of ``--peer*``; raises ``PeerSpecError`` for a missing file."""
     from ..bench.peers import PeerPlan, with_gguf
 
-    peers = with_gguf(args.peer, args.peer_gguf)
+    peers = with_gguf(args.peer, getattr(args, "peer_gguf", None))
     for peer in peers:
         peer.check()
     if args.peer_logs:
@@ -262,6 +267,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--systems", default="tgengine,transformers", help="default: %(default)s")
     p.add_argument("--decode-tokens", type=int, help="tokens per request (default: 16)")
+    _peer_options(p, memory=True)
     p.set_defaults(handler=run, runner=_memory)
 
 
@@ -342,10 +348,17 @@ def _structured(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _memory(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from pathlib import Path
+    from dataclasses import replace
 
     from ..bench.memory import LLAMA_1B, run_memory, write_synthetic_1b
+    from ..bench.peers import DEFAULT_THREADS, PeerSpecError
     from ..default_model import cache_root
+
+    if any(p.kind != "vllm" for p in args.peer):
+        raise PeerSpecError("bench memory: only vllm peers (llama.cpp needs a GGUF of the model)")
+    plan = _peer_plan(args)
+    if args.peer_threads is None:
+        plan = replace(plan, threads=(setup.threads or DEFAULT_THREADS,))
 
     shape = dict(LLAMA_1B)
     if args.quick:  # a few MB with the same structure, for tests
@@ -361,6 +374,7 @@ def _memory(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         model_dir=model_dir,
         systems=systems,
         decode_tokens=_pick(args.decode_tokens, 16, 4, args),
+        peers=plan,
     )
 
 

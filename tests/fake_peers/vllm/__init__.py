@@ -49,6 +49,7 @@ class LLM:
                 "llm": {"model": model, **kwargs},
                 "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "host_ip": os.environ.get("VLLM_HOST_IP"),
+                "kvcache_space": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
                 "pythonpath_of_caller": "tgengine" in os.environ.get("CALLER_PYTHONPATH", ""),
                 "engine_core_pid": engine_core.pid,
             }

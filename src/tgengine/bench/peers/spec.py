@@ -2,8 +2,10 @@
 
 A job is plain JSON, the same for every peer: the model directory, dtype, thread count, and
 the requests as token-id prompts with their ``max_tokens``. ``mode`` says what to measure:
-``throughput`` (every request at once; wall time and output tokens) or ``latency`` (one
-stream at a time: time to first token and decode tokens/s, per prompt length).
+``throughput`` (every request at once; wall time and output tokens), ``latency`` (one
+stream at a time: time to first token and decode tokens/s, per prompt length) or ``memory``
+(``bench memory``'s columns: host memory while loading and after, a batch, a single stream;
+vLLM only).
 """
 
 from __future__ import annotations
@@ -142,4 +144,29 @@ def latency_job(
         "threads": threads,
         "max_model_len": max(len(r.prompt) + r.max_tokens for r in every) + 1,
         "singles": {str(n): _requests(requests) for n, requests in singles.items()},
+    }
+
+
+def memory_job(
+    model_dir: str,
+    dtype: str,
+    threads: Threads,
+    *,
+    batch: list[list[int]],
+    single: list[int],
+    max_tokens: int,
+    kv_cache_bytes: int,
+) -> dict[str, Any]:
+    """``batch`` at once and then ``single`` alone, ``max_tokens`` each, with a KV cache of
+    ``kv_cache_bytes``; the peer reports ``bench memory``'s row (``vllm_memory.py``)."""
+    return {
+        "mode": "memory",
+        "model": model_dir,
+        "dtype": dtype,
+        "threads": threads,
+        "max_model_len": max(len(p) for p in [*batch, single]) + max_tokens + 1,
+        "batch": batch,
+        "single": single,
+        "max_tokens": max_tokens,
+        "kv_cache_bytes": kv_cache_bytes,
     }

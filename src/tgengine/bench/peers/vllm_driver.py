@@ -7,10 +7,16 @@ vllm, so it runs in any environment that has vLLM and nothing of tgengine.
 
 Prefix caching is off: the latency job generates each prompt twice. The thread binding
 comes from the environment the caller sets (``VLLM_CPU_OMP_THREADS_BIND``).
+
+The ``memory`` job (``bench memory``) also measures host memory: vLLM on CPU runs its engine
+core (and its worker) in processes of their own, so memory is the sum over this process and
+all its descendants (``vllm_memory.TreeMemory``, sampled in a thread), with the KV cache set
+to the job's ``kv_cache_bytes``.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -51,16 +57,16 @@ def _single(llm: Any, vllm: Any, request: dict[str, Any]) -> dict[str, float]:
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
+    if job["mode"] == "memory":
+        # Beside this file: on sys.path as the script's directory when run as a script.
+        memory = importlib.import_module(
+            f"{__package__}.vllm_memory" if __package__ else "vllm_memory"
+        )
+        return memory.run_memory(job, _start, _warm_up, _generate, _single)
     import vllm
 
-    start = time.perf_counter()
-    # No max_model_len: it is part of the key of vLLM's compile cache (as is the thread
-    # binding), and the model's own keeps one cache entry per binding for every workload.
-    llm = vllm.LLM(model=job["model"], dtype=job["dtype"], enable_prefix_caching=False, seed=0)
-    startup_s = time.perf_counter() - start
-    warm = [{"prompt": list(range(16, 16 + n)), "max_tokens": 4} for n in (8, 24, 32)]
-    _generate(llm, vllm, warm[:1])
-    _generate(llm, vllm, warm)
+    llm, startup_s = _start(vllm, job)
+    _warm_up(llm, vllm)
     result: dict[str, Any] = {"system": "vllm", "version": vllm.__version__, "startup_s": startup_s}
     if job["mode"] == "throughput":
         wall, tokens = _generate(llm, vllm, job["requests"])
@@ -71,6 +77,24 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             for length, requests in job["singles"].items()
         }
     return result
+
+
+def _warm_up(llm: Any, vllm: Any) -> None:
+    """A few small generates, so that what is timed next is not vLLM's first of a shape."""
+    warm = [{"prompt": list(range(16, 16 + n)), "max_tokens": 4} for n in (8, 24, 32)]
+    _generate(llm, vllm, warm[:1])
+    _generate(llm, vllm, warm)
+
+
+def _start(vllm: Any, job: dict[str, Any], **kwargs: Any) -> tuple[Any, float]:
+    """vLLM's ``LLM`` for the job's model, and the seconds its start took."""
+    start = time.perf_counter()
+    # No max_model_len: it is part of the key of vLLM's compile cache (as is the thread
+    # binding), and the model's own keeps one cache entry per binding for every workload.
+    llm = vllm.LLM(
+        model=job["model"], dtype=job["dtype"], enable_prefix_caching=False, seed=0, **kwargs
+    )
+    return llm, time.perf_counter() - start
 
 
 def main(argv: list[str]) -> int:

@@ -31,12 +31,18 @@ def cpu_binding(threads: Threads) -> str:
     return ",".join(map(str, cpus))
 
 
-def peer_env(threads: Threads) -> dict[str, str]:
+def peer_env(threads: Threads, *, job_sets_kv_cache: bool = False) -> dict[str, str]:
     """The peer's environment: this one without PYTHONPATH (its own packages only), vLLM on
-    loopback, a KV cache of 4 GiB unless one is set, and the thread binding."""
+    loopback, a KV cache of 4 GiB unless one is set, and the thread binding.
+
+    ``job_sets_kv_cache``: the job gives vLLM its KV cache size itself (the ``memory`` job),
+    so ``VLLM_CPU_KVCACHE_SPACE``, which vLLM would let win, is unset."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_HOST_IP"] = "127.0.0.1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if job_sets_kv_cache:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(threads)
     return env
 
@@ -58,7 +64,7 @@ def run_vllm(
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=peer_env(job["threads"]),
+                env=peer_env(job["threads"], job_sets_kv_cache="kv_cache_bytes" in job),
                 start_new_session=True,
             )
             try:
