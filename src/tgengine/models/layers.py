@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgengine.models.gemm import Gemm, LinearWeights
+from tgengine.models.kernels import elementwise
 from tgengine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from tgengine.parallel import ParallelContext
 
@@ -31,6 +32,30 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, *, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; ``(norm(x), x)`` when ``residual`` is None.
+
+        ``fused``: in one compiled pass where it applies (``kernels.elementwise``), which
+        writes the sum into ``residual`` in place: pass only a residual stream you own.
+        """
+        if fused and self._fuses(x, residual):
+            return elementwise.add_rms_norm(
+                x, residual, self.weight, self.eps, unit_offset=self.unit_offset
+            ), (x if residual is None else residual)
+        if residual is not None:
+            x = residual + x
+        return self(x), x
+
+    def _fuses(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (
+            elementwise.applies(x)
+            and x.is_contiguous()
+            and self.weight.dtype == x.dtype
+            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))
+        )
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +108,10 @@ class MLP(nn.Module):
     def linear_weights(self) -> list[LinearWeights]:
         return [self.gate_up, self.down]
 
-    def forward(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-        gate, up = gemm.linear(x, self.gate_up).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, gemm: Gemm, *, fused: bool = False) -> torch.Tensor:
+        """``fused``: ``act(gate) * up`` in one compiled pass where it applies."""
+        gate_up = gemm.linear(x, self.gate_up)
+        if fused and self.act in elementwise.ACTIVATIONS and elementwise.applies(gate_up):
+            return gemm.linear(elementwise.act_mul(gate_up.contiguous(), self.act), self.down)
+        gate, up = gate_up.chunk(2, dim=-1)
         return gemm.linear(activation(self.act, gate) * up, self.down)

@@ -77,17 +77,30 @@ class DecoderLayer(nn.Module):
     def linear_weights(self) -> list[LinearWeights]:
         return [*self.self_attn.linear_weights(), *self.ffn.linear_weights()]
 
-    def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepContext, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is ``residual + x`` (just ``x`` for the first layer, whose
+        ``residual`` is None); returns it as the same kind of pair, so that each sum is done
+        by the norm after it (``RMSNorm.add_and_norm``, fused where it applies)."""
         # With tensor parallelism attention and the MLP return partial sums: one all-reduce
         # each completes them (no-ops at world size 1).
         reduce = self.parallel.all_reduce
+        fused = step.fused
+        h, residual = self.input_layernorm.add_and_norm(x, residual, fused=fused)
+        attn = reduce(self.self_attn(h, step, layer))
         if not self.sandwich:
-            x = x + reduce(self.self_attn(self.input_layernorm(x), step, layer))
-            return x + reduce(self.ffn(self.post_attention_layernorm(x), step.gemm))
-        attn = reduce(self.self_attn(self.input_layernorm(x), step, layer))
-        x = x + self.post_attention_layernorm(attn)
-        mlp = reduce(self.ffn(self.pre_feedforward_layernorm(x), step.gemm))
-        return x + self.post_feedforward_layernorm(mlp)
+            h, residual = self.post_attention_layernorm.add_and_norm(attn, residual, fused=fused)
+            return reduce(self._ffn_forward(h, step, fused)), residual
+        residual = residual + self.post_attention_layernorm(attn)
+        mlp = reduce(self._ffn_forward(self.pre_feedforward_layernorm(residual), step, fused))
+        return self.post_feedforward_layernorm(mlp), residual
+
+    def _ffn_forward(self, h: torch.Tensor, step: StepContext, fused: bool) -> torch.Tensor:
+        ffn = self.ffn
+        if isinstance(ffn, MLP):
+            return ffn(h, step.gemm, fused=fused)
+        return ffn(h, step.gemm)
 
 
 class DecoderModel(nn.Module):
@@ -170,12 +183,14 @@ class CausalLM(nn.Module):
             w: AttentionPlan.build(inputs, kv_cache.block_size, w, use_kernel=use_kernel)
             for w in windows
         }
-        step = StepContext(inputs, plans, kv_cache, rotary, self.gemm)
+        step = StepContext(inputs, plans, kv_cache, rotary, self.gemm, fused=self.use_kernels)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, step, i)
+            x, residual = layer(x, residual, step, i)
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
-        x = self.model.norm(x)
+            residual = None if residual is None else residual[inputs.logits_rows]
+        x, _ = self.model.norm.add_and_norm(x, residual, fused=self.use_kernels)
         local = self.gemm.linear(x, self.head)
         logits = gather_logits(local, c.vocab_size, self.parallel).float()
         cap = c.final_logit_softcapping

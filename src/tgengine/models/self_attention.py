@@ -17,6 +17,7 @@ from tgengine.models.config import ModelConfig
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
+from tgengine.models.kernels import elementwise
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import RMSNorm
 from tgengine.models.parallel_layers import (
@@ -42,6 +43,8 @@ class StepContext:
     kv_cache: KVCache
     rotary: list[tuple[torch.Tensor, torch.Tensor]]
     gemm: Gemm
+    fused: bool = False
+    """Run the element-wise work in compiled kernels where they apply (``kernels.elementwise``)."""
 
 
 class Attention(nn.Module):
@@ -90,7 +93,15 @@ class Attention(nn.Module):
         qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
         cos, sin = step.rotary[self.rope_index]
-        if self.q_norm is None or self.k_norm is None:
+        blocks = step.kv_cache.layer_heads(layer)
+        stored = self._fuses(step, qkv, blocks, cos, sin)
+        if stored:
+            # One pass rotates queries and keys in place and stores keys and values.
+            elementwise.rope_store_kv(
+                qkv, self.num_heads, cos, sin, blocks, step.inputs.slot_mapping
+            )
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : heads]
+        elif self.q_norm is None or self.k_norm is None:
             # Queries and keys rotate in one go; values are the last kv heads, unrotated.
             qk = apply_rotary(qkv[:, :heads], cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -98,7 +109,26 @@ class Attention(nn.Module):
             q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, self.num_heads : heads]), cos, sin)
         v = qkv[:, heads:]
-        blocks = step.kv_cache.layer_heads(layer)
-        write_kv(blocks, step.inputs.slot_mapping, k, v)
+        if not stored:
+            write_kv(blocks, step.inputs.slot_mapping, k, v)
         out = paged_attention(q, k, v, blocks, step.plans[self.window], self.scale)
         return step.gemm.linear(out.reshape(rows, -1), self.o)
+
+    def _fuses(
+        self,
+        step: StepContext,
+        qkv: torch.Tensor,
+        blocks: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> bool:
+        return (
+            step.fused
+            and self.q_norm is None
+            and elementwise.applies(qkv)
+            and qkv.is_contiguous()
+            and blocks.dtype == qkv.dtype
+            and cos.dtype == qkv.dtype
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        )

@@ -3,7 +3,8 @@
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
 ``paged_attention.cpp``); ``half_linear`` and ``panel_linear`` run linear products on
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
-the latter on a weight packed once into 16-row panels (``pack_panels``). The library is
+the latter on a weight packed once into 16-row panels (``pack_panels``); ``elementwise``
+fuses each layer's element-wise work (``elementwise.cpp``). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
 by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
@@ -28,7 +29,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "half_linear.cpp"))
+_SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("paged_attention.cpp", "half_linear.cpp", "elementwise.cpp")
+)
+_HEADERS = (Path(__file__).with_name("half.h"),)
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -78,12 +83,23 @@ def load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
     lib.tg_half_linear_available.restype = ctypes.c_int
+    fn = lib.tg_add_rms_norm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes += [_PTR, ctypes.c_int]
+    fn = lib.tg_rope_store_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, *[_I64] * 4, _PTR, _PTR, _I64, _PTR, _I64, _PTR]
+    fn.argtypes += [ctypes.c_int]
+    fn = lib.tg_act_mul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_int]
     return lib
 
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
     key.update(_cpu_flags().encode())

@@ -13,29 +13,12 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(_Float16 x) { return static_cast<float>(x); }
-
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *out = 0x7fc0;
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
-inline void from_float(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
+using tg::from_float;
+using tg::to_float;
 
 template <typename T, int D>
 void attend_one(const T* q, const T* keys, const T* values, const int64_t* table,

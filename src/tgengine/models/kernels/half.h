@@ -1,0 +1,99 @@
+// bfloat16 / float16 <-> float32, as torch converts them (round to nearest even), scalar and
+// 8 at a time (AVX2 + F16C). Shared by the kernels of tgengine.models.kernels; types:
+// float, uint16_t for bfloat16 (its bits) and _Float16.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace tg {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, uint16_t* out) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *out = 0x7fc0;
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+inline void from_float(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
+
+// x rounded to T and widened back: what torch's T arithmetic keeps of a float result.
+template <typename T>
+inline float round_to(float x) {
+  T t;
+  from_float(x, &t);
+  return to_float(t);
+}
+
+}  // namespace tg
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace tg {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const _Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The 8 floats' bfloat16 bits (round to nearest even; NaN stays a quiet NaN), in 8 lanes.
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  rounded = _mm256_srli_epi32(rounded, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v));
+}
+inline void store8(_Float16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// v rounded to T and widened back, 8 at a time.
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, _Float16>) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace tg
+
+#endif

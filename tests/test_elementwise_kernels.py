@@ -1,0 +1,161 @@
+"""The fused element-wise kernels give the torch path's results (``kernels.elementwise``).
+
+Each is compared with the torch ops it replaces, in bf16 and fp16: rotary + KV store to the
+bit, the norm and the activation to the last bit of their dtype (the order of a sum, the
+last bit of ``exp``); and a model's logits with them on and off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tgengine.models import load_model, load_model_config
+from tgengine.models.attention import write_kv
+from tgengine.models.kernels import elementwise
+from tgengine.models.layers import RMSNorm, activation
+from tgengine.models.rope import apply_rotary
+from tgengine.models.weights import pack_weights
+
+pytestmark = pytest.mark.skipif(
+    not elementwise.applies(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="no AVX2/FMA/F16C or no C++ compiler for tgengine's kernels",
+)
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for one unit in the last place of the dtype (a tiny absolute slack near 0)."""
+    eps = torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("size", [64, 576, 37])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_matches_the_residual_add_and_the_norm(
+    dtype: torch.dtype, size: int, rows: int, unit_offset: bool
+) -> None:
+    torch.manual_seed(rows + size)
+    norm = RMSNorm(size, 1e-5, unit_offset=unit_offset)
+    norm.weight.data = torch.randn(size).to(dtype)
+    x = (torch.randn(rows, size) * 3).to(dtype)
+    residual = torch.randn(rows, size).to(dtype)
+    with torch.inference_mode():
+        want_sum = residual + x
+        want = norm(want_sum)
+        mine = residual.clone()
+        got, got_sum = norm.add_and_norm(x, mine, fused=True)
+        assert got_sum is mine, "the sum is written into the residual in place"
+        assert torch.equal(got_sum, want_sum), "the add rounds as torch's"
+        _ulps(got, want)
+        alone, same = norm.add_and_norm(x, None, fused=True)
+        assert same is x
+        _ulps(alone, norm(x))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
+    [(9, 3, 64, 64), (4, 2, 64, 32), (2, 1, 20, 20), (4, 4, 128, 128)],
+)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_rope_store_kv_matches_apply_rotary_and_write_kv(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    heads = num_heads + 2 * num_kv_heads
+    qkv = torch.randn(rows, heads, head_dim).to(dtype)
+    angles = torch.rand(rows, rotary_dim // 2) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    num_blocks, block_size = 64, 8
+    slots = torch.randperm(num_blocks * block_size)[:rows]
+    want_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    got_cache = want_cache.clone()
+    qk = apply_rotary(qkv[:, : num_heads + num_kv_heads], cos, sin)
+    write_kv(want_cache, slots, qk[:, num_heads:], qkv[:, num_heads + num_kv_heads :])
+    got = qkv.clone()
+    elementwise.rope_store_kv(got, num_heads, cos, sin, got_cache, slots)
+    assert torch.equal(got[:, : num_heads + num_kv_heads], qk), "rotated in place, to the bit"
+    assert torch.equal(got[:, num_heads + num_kv_heads :], qkv[:, num_heads + num_kv_heads :])
+    assert torch.equal(got_cache, want_cache), "keys and values stored at their slots only"
+
+
+def test_rope_store_kv_refuses_a_slot_outside_the_cache() -> None:
+    qkv = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 1, 4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="refused"):
+        elementwise.rope_store_kv(qkv, 1, cos, sin, cache, torch.tensor([0, 32]))
+    assert not cache.any(), "nothing written when one slot is out of range"
+
+
+def _exact(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` in float64, rounded where torch's half-precision ops round."""
+    x = gate.double()
+    if act == "silu":
+        y = x / (1 + torch.exp(-x))
+    else:
+        y = 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+    return (y.to(gate.dtype).double() * up.double()).to(gate.dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("act", sorted(elementwise.ACTIVATIONS))
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 100), (64, 1024)])
+def test_act_mul_matches_the_activation_times_up(
+    dtype: torch.dtype, act: str, rows: int, inter: int
+) -> None:
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-3, -1e-3, 30.0, -30.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = elementwise.act_mul(gate_up, act).double()
+    want = (activation(act, gate) * up).double()
+    exact = _exact(act, gate, up).double()
+    # Within one unit in the last place of the exact value, or no farther from it than
+    # torch's own result (gelu's 1 + tanh(y) cancels where y << 0; the kernel does not).
+    ulp = exact.abs() * torch.finfo(dtype).eps + 1e-12
+    assert ((got - exact).abs() <= torch.maximum(ulp, (want - exact).abs())).all()
+    if act == "silu":
+        _ulps(got, want)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
+    dtype: torch.dtype,
+    fixture: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from test_model_fast_paths import _prefill_then_decode, _prompts
+
+    model_dir: Path = request.getfixturevalue(fixture)
+    config = load_model_config(model_dir)
+    fast = load_model(config, model_dir, dtype, "cpu")
+    fast.gemm.prepack = True
+    pack_weights(fast)
+    plain = load_model(config, model_dir, dtype, "cpu")
+    plain.use_kernels = False
+    calls: list[str] = []
+    for name in ("add_rms_norm", "rope_store_kv", "act_mul"):
+        original = getattr(elementwise, name)
+
+        def counted(*args: object, _f: object = original, _n: str = name, **kw: object) -> object:
+            calls.append(_n)
+            return _f(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(elementwise, name, counted)
+    prompts = _prompts(config.vocab_size, [5, 9, 2, 1])
+    got = _prefill_then_decode(fast, [list(p) for p in prompts], dtype)
+    assert set(calls) == {"add_rms_norm", "rope_store_kv", "act_mul"}, "the fused path ran"
+    calls.clear()
+    want = _prefill_then_decode(plain, [list(p) for p in prompts], dtype)
+    assert not calls, "use_kernels=False is the torch path"
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
