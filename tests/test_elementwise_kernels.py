@@ -17,7 +17,7 @@ from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.rope import apply_rotary
-from tgengine.models.weights import pack_weights
+from tgengine.models.weights import copy_weights, pack_weights
 
 pytestmark = pytest.mark.skipif(
     not elementwise.applies(torch.zeros(1, dtype=torch.bfloat16)),
@@ -159,3 +159,57 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     assert not calls, "use_kernels=False is the torch path"
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # q/k/v biases, a tied head
+        ("mistral", {"sliding_window": 6}),
+    ],
+)
+def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
+    dtype: torch.dtype,
+    arch: str,
+    overrides: dict[str, object],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from test_model_fast_paths import _prefill_then_decode, _prompts
+    from tgengine.models import llama
+    from tgengine.models.kernels.decode_layer import DecodeLayerCall
+
+    from model_factory import make_tiny_model_dir
+
+    # head_dim 32: one the paged decode kernel takes (the whole-layer call needs it).
+    model_dir = make_tiny_model_dir(tmp_path / arch, arch, head_dim=32, **overrides)
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, dtype, "cpu")
+    model.gemm.prepack = True
+    pack_weights(model)
+    runs: list[int] = []
+    original = DecodeLayerCall.run
+
+    def counted(self: DecodeLayerCall, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append(int(args[0].shape[0]))
+        return original(self, *args)
+
+    monkeypatch.setattr(DecodeLayerCall, "run", counted)
+    prompts = _prompts(config.vocab_size, [5, 9, 2, 1, 12])
+    got = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert runs == [len(prompts)] * config.num_layers, "the decode step ran one call per layer"
+    # A weight update (unpack, write, repack) and a replaced norm: the calls follow them.
+    names = ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    params = dict(model.named_parameters())
+    copy_weights(model, [(n, torch.randn(params[n].shape).to(dtype)) for n in names])
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.weight.data = torch.randn(norm.weight.shape).to(dtype)
+    updated = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert len(runs) == 2 * config.num_layers
+    monkeypatch.setattr(llama, "decode_call", lambda layer, cached: None)
+    want = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert len(runs) == 2 * config.num_layers, "the layer-by-layer path made no call"
+    assert torch.equal(updated, want), "same kernels in the same order: the same bits"
+    assert not torch.equal(updated, got)

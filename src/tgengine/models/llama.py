@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from tgengine.models import kernels
-from tgengine.models.attention import AttentionPlan
+from tgengine.models.attention import AttentionPlan, KernelDecodePlan
 from tgengine.models.config import ModelConfig
+from tgengine.models.fused_decode import decode_call
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
+from tgengine.models.kernels import elementwise
+from tgengine.models.kernels.decode_layer import DecodeLayerCall
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import MLP, RMSNorm
 from tgengine.models.moe import SparseMoE
@@ -64,6 +67,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
         self.sandwich = config.sandwich_norms
+        self._decode_call: DecodeLayerCall | None = None
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
@@ -85,6 +89,10 @@ class DecoderLayer(nn.Module):
         by the norm after it (``RMSNorm.add_and_norm``, fused where it applies)."""
         # With tensor parallelism attention and the MLP return partial sums: one all-reduce
         # each completes them (no-ops at world size 1).
+        if step.decode_layers:
+            self._decode_call = decode_call(self, self._decode_call)
+            if self._decode_call is not None:
+                return self._run_decode_call(self._decode_call, x, residual, step, layer)
         reduce = self.parallel.all_reduce
         fused = step.fused
         h, residual = self.input_layernorm.add_and_norm(x, residual, fused=fused)
@@ -95,6 +103,28 @@ class DecoderLayer(nn.Module):
         residual = residual + self.post_attention_layernorm(attn)
         mlp = reduce(self._ffn_forward(self.pre_feedforward_layernorm(residual), step, fused))
         return self.post_feedforward_layernorm(mlp), residual
+
+    def _run_decode_call(
+        self,
+        call: DecodeLayerCall,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        step: StepContext,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = step.plans[self.self_attn.window].decodes[0]
+        assert isinstance(plan, KernelDecodePlan)  # CausalLM.forward checked
+        cos, sin = step.rotary[self.self_attn.rope_index]
+        return call.run(
+            x.contiguous(),
+            residual,
+            cos,
+            sin,
+            step.kv_cache.layer_heads(layer),
+            step.inputs.slot_mapping,
+            plan.tables.contiguous(),
+            plan.lens.contiguous(),
+        )
 
     def _ffn_forward(self, h: torch.Tensor, step: StepContext, fused: bool) -> torch.Tensor:
         ffn = self.ffn
@@ -183,7 +213,15 @@ class CausalLM(nn.Module):
             w: AttentionPlan.build(inputs, kv_cache.block_size, w, use_kernel=use_kernel)
             for w in windows
         }
-        step = StepContext(inputs, plans, kv_cache, rotary, self.gemm, fused=self.use_kernels)
+        fused = self.use_kernels and elementwise.applies(x)
+        # A decode-only step attended by the paged kernel: whole layers in one call each.
+        decode_layers = fused and not self.parallel.is_parallel
+        decode_layers &= all(
+            p.decode_only and isinstance(p.decodes[0], KernelDecodePlan) for p in plans.values()
+        )
+        step = StepContext(
+            inputs, plans, kv_cache, rotary, self.gemm, fused=fused, decode_layers=decode_layers
+        )
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, step, i)

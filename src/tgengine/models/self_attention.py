@@ -45,6 +45,8 @@ class StepContext:
     gemm: Gemm
     fused: bool = False
     """Run the element-wise work in compiled kernels where they apply (``kernels.elementwise``)."""
+    decode_layers: bool = False
+    """A decode step whose qualifying layers run as one call each (``models.fused_decode``)."""
 
 
 class Attention(nn.Module):

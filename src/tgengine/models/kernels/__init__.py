@@ -4,7 +4,8 @@
 ``paged_attention.cpp``); ``half_linear`` and ``panel_linear`` run linear products on
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
 the latter on a weight packed once into 16-row panels (``pack_panels``); ``elementwise``
-fuses each layer's element-wise work (``elementwise.cpp``). The library is
+fuses each layer's element-wise work (``elementwise.cpp``); ``decode_layer`` runs a whole
+layer of a decode step in one call (``decode_layer.cpp``). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
 by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("paged_attention.cpp", "half_linear.cpp", "elementwise.cpp")
+    for n in ("paged_attention.cpp", "half_linear.cpp", "elementwise.cpp", "decode_layer.cpp")
 )
 _HEADERS = (Path(__file__).with_name("half.h"),)
 _FLAGS = [
@@ -94,6 +95,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_act_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_int]
+    lib.tg_decode_layer.restype = ctypes.c_int  # takes a pointer to decode_layer's struct
     return lib
 
 

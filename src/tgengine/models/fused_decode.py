@@ -1,0 +1,75 @@
+"""Which decoder layers run a decode step as one compiled call, and that call's arguments.
+
+A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
+norm, a dense MLP with SiLU or GELU-tanh, its four products packed into panels (bf16/fp16 on
+AVX2), one rank. The step qualifies when every row is a decode row attended by the paged
+kernel (``CausalLM.forward`` decides, per step). Anything else takes the layer's forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tgengine.models.fused import fused_rows
+from tgengine.models.gemm import LinearWeights, Panels
+from tgengine.models.kernels.decode_layer import DecodeLayerCall
+from tgengine.models.kernels.elementwise import ACTIVATIONS
+from tgengine.models.layers import MLP
+
+if TYPE_CHECKING:
+    from tgengine.models.llama import DecoderLayer
+
+
+def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLayerCall | None:
+    """``cached`` if the layer's weights are still the ones it was made from, else a new call
+    (None where the layer does not qualify)."""
+    if cached is not None and _key(cached.sources) == cached.key:
+        return cached
+    attn, ffn = layer.self_attn, layer.ffn
+    if layer.sandwich or layer.parallel.is_parallel or attn.q_norm is not None:
+        return None
+    if not isinstance(ffn, MLP) or ffn.act not in ACTIVATIONS:
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    sources = (attn.qkv, attn.o, ffn.gate_up, ffn.down, *norms, *attn._projs)
+    panels = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
+    if not all(isinstance(p, Panels) for p in panels):
+        return None
+    dtype = attn.qkv.dtype
+    if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+        return None
+    bias = None
+    if attn._projs[0].bias is not None:
+        bias = fused_rows([p.bias for p in attn._projs if p.bias is not None]).to(dtype)
+    return DecodeLayerCall(
+        key=_key(sources),
+        sources=sources,
+        dtype=dtype,
+        weights=[p.data for p in panels if isinstance(p, Panels)],
+        qkv_bias=bias,
+        norms=[n.weight for n in norms],
+        eps=norms[0].eps,
+        unit_offset=norms[0].unit_offset,
+        act=ffn.act,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        inter=ffn.gate_up.params[0].shape[0] * len(ffn.gate_up.params) // 2,
+        scale=attn.scale,
+        window=attn.window,
+    )
+
+
+def _key(sources: tuple[object, ...]) -> tuple[object, ...]:
+    """What the call's pointers depend on: each product's packed form (by identity), the
+    norms' and biases' storage."""
+    key: list[object] = []
+    for source in sources:
+        if isinstance(source, LinearWeights):
+            key.append(id(source.packed))
+        else:  # a module: its parameters' dict, without nn.Module's slow attribute lookup
+            params = source._parameters  # type: ignore[attr-defined]
+            for name in ("weight", "bias"):
+                param = params.get(name)
+                key.append(None if param is None else param.data_ptr())
+    return tuple(key)

@@ -1,0 +1,94 @@
+// One decoder layer of a decode step (one query row per sequence), start to end in one call:
+// the layer's Python forward makes some nine kernel calls and as many small allocations, whose
+// dispatch at batch 1 costs a tenth of the step. Runs the same kernels, in the same order,
+// with the same rounding (so its results are the unfused path's, bit for bit):
+//   h = norm(residual += x)          tg_add_rms_norm (layer 0: residual = x, no add)
+//   qkv = h @ Wqkv.T (+ bias)        tg_panel_linear
+//   rotate q, k; store k, v          tg_rope_store_kv
+//   a = attention(q) on the cache    tg_paged_decode
+//   o = a @ Wo.T; h = norm(residual += o)
+//   out = (act(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
+// For the common layer only: pre-norms, no per-head q/k norm, a dense gated MLP, weights
+// packed into panels, one rank. Compiled with the other kernels by tgengine.models.kernels.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+int tg_add_rms_norm(int dtype, void* x, void* residual, const void* weight, int64_t rows,
+                    int64_t size, float eps, int unit_offset, void* out, int threads);
+int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
+                    int64_t n, const void* bias, void* out, int threads);
+int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, const void* cos, const void* sin,
+                     int64_t rot_dim, void* cache, int64_t slots, const int64_t* slot_mapping,
+                     int threads);
+int tg_paged_decode(int dtype, const void* q, const void* cache, const int64_t* tables,
+                    const int64_t* lens, void* out, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                    int64_t head_dim, int64_t table_width, int64_t window, float scale,
+                    int threads);
+int tg_act_mul(int dtype, int act, const void* gate_up, int64_t rows, int64_t inter, void* out,
+               int threads);
+}
+
+// Mirrored field for field by kernels/decode_layer.py's ctypes Structure.
+struct DecodeLayer {
+  int64_t dtype, threads, act, unit_offset;
+  int64_t rows, hidden, num_heads, num_kv_heads, head_dim, rot_dim, inter;
+  int64_t num_blocks, block_size, table_width, window;
+  float eps, scale;
+  void* x;         // [rows, hidden]: the previous sublayer's output (or the embeddings)
+  void* residual;  // [rows, hidden] or null (layer 0: x is the residual stream)
+  const void *input_norm, *post_norm;
+  const void *qkv_panels, *qkv_bias, *o_panels, *gate_up_panels, *down_panels;
+  const void *cos, *sin;  // [rows, rot_dim]
+  void* cache;            // this layer's [2][num_kv_heads][num_blocks * block_size][head_dim]
+  const int64_t *slot_mapping, *tables, *lens;
+  void* out;  // [rows, hidden]: the MLP's output, to be added to the residual stream
+};
+
+extern "C" int tg_decode_layer(const DecodeLayer* L) {
+  const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(L->threads);
+  const int64_t rows = L->rows, hidden = L->hidden, d = L->head_dim;
+  const int64_t q_size = L->num_heads * d, qkv_size = (L->num_heads + 2 * L->num_kv_heads) * d;
+  const size_t elem = 2;  // bf16 / fp16
+  std::vector<char> h(rows * hidden * elem), qkv(rows * qkv_size * elem),
+      q(rows * q_size * elem), attn(rows * q_size * elem), o(rows * hidden * elem),
+      gate_up(rows * 2 * L->inter * elem), inner(rows * L->inter * elem);
+  void* residual = L->residual ? L->residual : L->x;
+  void* added = L->residual ? L->x : nullptr;  // layer 0 only norms its input
+  int status = added ? tg_add_rms_norm(dtype, added, residual, L->input_norm, rows, hidden,
+                                       L->eps, L->unit_offset, h.data(), threads)
+                     : tg_add_rms_norm(dtype, residual, nullptr, L->input_norm, rows, hidden,
+                                       L->eps, L->unit_offset, h.data(), threads);
+  if (status) return 100 + status;
+  status = tg_panel_linear(dtype, h.data(), rows, hidden, L->qkv_panels, qkv_size, L->qkv_bias,
+                           qkv.data(), threads);
+  if (status) return 200 + status;
+  status = tg_rope_store_kv(dtype, qkv.data(), rows, L->num_heads, L->num_kv_heads, d, L->cos,
+                            L->sin, L->rot_dim, L->cache, L->num_blocks * L->block_size,
+                            L->slot_mapping, threads);
+  if (status) return 300 + status;
+  for (int64_t r = 0; r < rows; ++r)  // the queries of each row, contiguous
+    std::memcpy(q.data() + r * q_size * elem, qkv.data() + r * qkv_size * elem, q_size * elem);
+  status = tg_paged_decode(dtype, q.data(), L->cache, L->tables, L->lens, attn.data(), rows,
+                           L->num_heads, L->num_kv_heads, L->num_blocks, L->block_size, d,
+                           L->table_width, L->window, L->scale, threads);
+  if (status) return 400 + status;
+  status = tg_panel_linear(dtype, attn.data(), rows, q_size, L->o_panels, hidden, nullptr,
+                           o.data(), threads);
+  if (status) return 500 + status;
+  status = tg_add_rms_norm(dtype, o.data(), residual, L->post_norm, rows, hidden, L->eps,
+                           L->unit_offset, h.data(), threads);
+  if (status) return 600 + status;
+  status = tg_panel_linear(dtype, h.data(), rows, hidden, L->gate_up_panels, 2 * L->inter,
+                           nullptr, gate_up.data(), threads);
+  if (status) return 700 + status;
+  status = tg_act_mul(dtype, static_cast<int>(L->act), gate_up.data(), rows, L->inter,
+                      inner.data(), threads);
+  if (status) return 800 + status;
+  status = tg_panel_linear(dtype, inner.data(), rows, L->inter, L->down_panels, hidden, nullptr,
+                           L->out, threads);
+  return status ? 900 + status : 0;
+}
