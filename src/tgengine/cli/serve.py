@@ -16,9 +16,7 @@ from ..engine import Engine
 from ..engine_client import EngineClient
 from ..errors import TGEngineError
 from ..process import EngineSupervisor, ProcessEngine, RestartPolicy
-from ..server import Server, ServerConfig
-from ..server.config import TOOL_CALL_PARSERS
-from ..server.context import served_name
+from ..server.config import TOOL_CALL_PARSERS, ServerConfig
 from .common import add_engine_options, engine_config, fail
 from .signals import stop_on_signals
 
@@ -162,6 +160,10 @@ def _engine(config: EngineConfig, args: argparse.Namespace) -> EngineClient:
 async def _serve(
     make_engine: Callable[[], EngineClient], server_config: ServerConfig, grace: float
 ) -> None:
+    # FastAPI and the routes load here, not with the parser (``generate`` does not need them).
+    from ..server import Server
+    from ..server.context import served_name
+
     engine = make_engine()  # inside the event loop: it creates anyio primitives
     config = engine.config
     server = Server(engine, server_config)

@@ -30,7 +30,18 @@ from tgengine.models.shard import Shard, padded_split, split_units, whole
 from tgengine.parallel import ParallelContext
 
 
-class ColumnParallelLinear(nn.Linear):
+class _LoadedNotInitialised:
+    """A layer whose values always come from a checkpoint: torch's random init is skipped.
+
+    The model is built on the meta device, where ``nn.init.normal_`` alone imports
+    ``torch._dynamo`` (1.4 s of every start-up); the values would be overwritten anyway.
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class ColumnParallelLinear(_LoadedNotInitialised, nn.Linear):
     """``blocks``: the full weight's row blocks as ``(units, rows per unit, replicate)``."""
 
     def __init__(
@@ -54,7 +65,7 @@ class ColumnParallelLinear(nn.Linear):
             self.shards["bias"] = Shard(torch.Size([full]), 0, tuple(ranges))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_LoadedNotInitialised, nn.Linear):
     """Input columns split in ``units`` of ``unit_cols``; the output is a partial sum."""
 
     def __init__(
@@ -67,7 +78,7 @@ class RowParallelLinear(nn.Linear):
         self.shards = {"weight": Shard(full, 1, columns)}
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(_LoadedNotInitialised, nn.Embedding):
     """The rank's rows of the vocabulary; ``forward`` returns the full embeddings."""
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext) -> None:
@@ -95,7 +106,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return F.embedding(ids, self.weight)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(_LoadedNotInitialised, nn.Linear):
     """The rank's rows of the output projection (the vocabulary, padded like the embedding)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, parallel: ParallelContext) -> None:

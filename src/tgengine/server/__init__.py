@@ -9,8 +9,28 @@
 See docs/server.md for the endpoints, status codes, management routes and metrics.
 """
 
-from .app import create_app
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .config import ServerConfig
-from .server import Server
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .server import Server
 
 __all__ = ["Server", "ServerConfig", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # FastAPI and the routes load on first use, so that ``python -m tgengine generate``
+    # (whose parser reads ServerConfig's defaults) does not pay for them at start-up.
+    if name == "Server":
+        from .server import Server
+
+        return Server
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
