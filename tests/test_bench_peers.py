@@ -344,6 +344,7 @@ def test_memory_bench_runs_the_vllm_peer(
     records = _records(fakes["record"])
     llm = next(r for r in records if "llm" in r)
     assert llm["llm"]["kv_cache_memory_bytes"] == tg["kv_cache_bytes"]
+    assert llm["llm"]["max_num_seqs"] == BATCH_SIZE
     assert llm["kvcache_space"] is None  # unset: vLLM would let it win over the job's size
     assert llm["bind"] == cpu_binding(1)
     assert _gone(llm["engine_core_pid"])

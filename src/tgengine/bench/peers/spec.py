@@ -147,6 +147,10 @@ def latency_job(
     }
 
 
+# The most tokens a step of the memory job takes (prefill is chunked to it).
+_MEMORY_STEP_TOKENS = 256
+
+
 def memory_job(
     model_dir: str,
     dtype: str,
@@ -169,4 +173,5 @@ def memory_job(
         "single": single,
         "max_tokens": max_tokens,
         "kv_cache_bytes": kv_cache_bytes,
+        "max_num_batched_tokens": _MEMORY_STEP_TOKENS,
     }

@@ -6,8 +6,11 @@ its ``mp`` executor starts), so every figure is a sum over the driver and all it
 descendants: RSS (what the table shows; pages shared between the processes, such as
 torch's libraries, count once per process) and PSS (shared pages split between them). A
 thread samples the sums every ``SAMPLE_S`` seconds and keeps the peak, so a peak shorter than
-that can be missed. The KV cache is the job's ``kv_cache_bytes`` (vLLM's
-``kv_cache_memory_bytes``; the caller unsets ``VLLM_CPU_KVCACHE_SPACE``, which would win).
+that can be missed. At most the job's batch runs at once, and a step takes at most
+``max_num_batched_tokens`` (vLLM's start-up runs a dummy step of that many tokens: at its
+default, 4096 on a 1B model at one thread, it took over 14 minutes here). The KV cache is
+the job's ``kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``; the caller unsets
+``VLLM_CPU_KVCACHE_SPACE``, which would win).
 """
 
 from __future__ import annotations
@@ -82,7 +85,13 @@ def run_memory(
 
     imported_rss, _, _ = memory.sample()
     with memory:
-        llm, startup_s = start(vllm, job, kv_cache_memory_bytes=job["kv_cache_bytes"])
+        llm, startup_s = start(
+            vllm,
+            job,
+            kv_cache_memory_bytes=job["kv_cache_bytes"],
+            max_num_seqs=len(job["batch"]),
+            max_num_batched_tokens=job["max_num_batched_tokens"],
+        )
         loaded_rss, loaded_pss, processes = memory.sample()
         load_peak_rss, load_peak_pss = memory.peak_rss, memory.peak_pss
         warm_up(llm, vllm)
