@@ -34,7 +34,7 @@ _SOURCES = tuple(
     Path(__file__).with_name(n)
     for n in ("paged_attention.cpp", "half_linear.cpp", "elementwise.cpp", "decode_layer.cpp")
 )
-_HEADERS = (Path(__file__).with_name("half.h"),)
+_HEADERS = (Path(__file__).with_name("simd.h"),)
 _FLAGS = [
     "-O3",
     "-march=native",

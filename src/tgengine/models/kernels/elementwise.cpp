@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "half.h"
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -18,6 +18,7 @@ using tg::load8;
 using tg::round8;
 using tg::round_to;
 using tg::store8;
+using tg::exp8;
 using tg::to_float;
 
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which one thread is quicker
@@ -130,26 +131,6 @@ int rope_store_kv(T* qkv, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
 }
 
 // ---- gate activation * up ---------------------------------------------------------------
-// exp(x) to about one ulp of float32 (Cephes' expf: range reduction by ln 2, degree-5
-// polynomial), 8 at a time.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
-
 constexpr int kSilu = 0;
 constexpr int kGeluTanh = 1;
 constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include "half.h"
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
