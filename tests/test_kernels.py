@@ -145,3 +145,6 @@ def test_panel_linear_matches_the_float32_product(dtype: torch.dtype, n: int, k:
             got = kernels.panel_linear(x, panels, n, b)
             assert got.dtype == dtype and got.shape == (rows, n)
             torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=0.02, rtol=0.01)
+            wide = kernels.panel_linear(x, panels, n, b, float_output=True)
+            assert wide.dtype == torch.float32
+            assert torch.equal(wide, got.float()), "the same values, stored as float32"

@@ -134,7 +134,15 @@ class Gemm:
         x: torch.Tensor,
         weight: LinearWeights | torch.Tensor,
         bias: torch.Tensor | None = None,
+        *,
+        float_output: bool = False,
     ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``; ``float_output``: as float32 (its ``.float()``)."""
+        if float_output:
+            if isinstance(weight, LinearWeights) and isinstance(weight.packed, Panels):
+                packed = weight.packed
+                return kernels.panel_linear(x, packed.data, packed.rows, bias, float_output=True)
+            return self.linear(x, weight, bias).float()
         if isinstance(weight, LinearWeights):
             packed = weight.packed
             if isinstance(packed, Panels):

@@ -229,7 +229,7 @@ class CausalLM(nn.Module):
             x = x[inputs.logits_rows]
             residual = None if residual is None else residual[inputs.logits_rows]
         x, _ = self.model.norm.add_and_norm(x, residual, fused=self.use_kernels)
-        local = self.gemm.linear(x, self.head)
+        local = self.gemm.linear(x, self.head, float_output=True)
         logits = gather_logits(local, c.vocab_size, self.parallel).float()
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -80,7 +80,7 @@ def load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
-    for fn in (lib.tg_half_linear, lib.tg_panel_linear):
+    for fn in (lib.tg_half_linear, lib.tg_panel_linear, lib.tg_panel_linear_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
     lib.tg_half_linear_available.restype = ctypes.c_int
@@ -233,17 +233,31 @@ def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def panel_linear(
-    x: torch.Tensor, panels: torch.Tensor, rows: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    rows: int,
+    bias: torch.Tensor | None,
+    *,
+    float_output: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``panels = pack_panels(weight)`` of ``rows`` rows.
 
     Any number of rows of ``x``; summed in float32 and rounded once, as ``half_linear``.
+    ``float_output``: the same values stored as float32 (the result's ``.float()``, without
+    a second pass over it: logits).
     """
+    if float_output:
+        return _half_product("tg_panel_linear_f32", x, panels, rows, bias, torch.float32)
     return _half_product("tg_panel_linear", x, panels, rows, bias)
 
 
 def _half_product(
-    kernel: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+    kernel: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     lib = load()
     if lib is None or x.dtype not in HALF_LINEAR_DTYPES or weight.dtype != x.dtype:
@@ -254,7 +268,7 @@ def _half_product(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     m, k = x.shape
-    out = torch.empty(m, n, dtype=x.dtype)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype)
     status = getattr(lib, kernel)(
         _DTYPES[x.dtype],
         x.data_ptr(),

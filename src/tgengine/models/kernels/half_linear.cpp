@@ -32,6 +32,13 @@ inline uint16_t float_to_half(float x, int dtype) {
   return bits;
 }
 
+// An output element: rounded to the weight's dtype, and stored in it or (the logits) widened
+// back to float32, the value the half-precision product's .float() would give.
+inline void put(uint16_t* out, float v, int dtype) { *out = float_to_half(v, dtype); }
+inline void put(float* out, float v, int dtype) {
+  *out = half_to_float(float_to_half(v, dtype), dtype);
+}
+
 template <int Dtype>
 inline __m256 widen8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -149,9 +156,9 @@ constexpr int kPanel = 16;
     a##R##1 = _mm256_fmadd_ps(xv, w1, a##R##1);                      \
   }
 
-template <int Dtype, int MR>
+template <int Dtype, int MR, typename Out>
 inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const float* bias,
-                       int64_t n0, int64_t n, uint16_t* out) {
+                       int64_t n0, int64_t n, Out* out) {
   static_assert(1 <= MR && MR <= 6, "6 x 2 accumulators fill the 16 AVX registers");
   // Named accumulators, not an array: GCC keeps an array in memory and stores it every step.
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
@@ -176,7 +183,7 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
   const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < width; ++c)
-      out[r * n + n0 + c] = float_to_half(rows[r][c] + (bias ? bias[n0 + c] : 0.f), Dtype);
+      put(out + r * n + n0 + c, rows[r][c] + (bias ? bias[n0 + c] : 0.f), Dtype);
 }
 #undef TG_PANEL_ROW
 
@@ -184,9 +191,9 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
 // one core keeps more of memory busy reading two streams than one (measured: ~1.2x), each
 // prefetched 1 KiB ahead; two k steps in flight per column (even and odd k summed apart and
 // added at the end, so the order of the sums differs from panel_tile's).
-template <int Dtype>
+template <int Dtype, typename Out>
 inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int panels,
-                           const float* bias, int64_t n0, int64_t n, uint16_t* out) {
+                           const float* bias, int64_t n0, int64_t n, Out* out) {
   const uint16_t* second = panels == 2 ? first + k * kPanel : first;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0,
          d1 = a0;
@@ -220,12 +227,12 @@ inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int
   _mm256_store_ps(row + 24, _mm256_add_ps(c1, d1));
   const int64_t width = n - n0 < panels * kPanel ? n - n0 : panels * kPanel;
   for (int64_t c = 0; c < width; ++c)
-    out[n0 + c] = float_to_half(row[c] + (bias ? bias[n0 + c] : 0.f), Dtype);
+    put(out + n0 + c, row[c] + (bias ? bias[n0 + c] : 0.f), Dtype);
 }
 
-template <int Dtype>
+template <int Dtype, typename Out>
 void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
-                  const uint16_t* bias_h, uint16_t* out, int threads) {
+                  const uint16_t* bias_h, Out* out, int threads) {
   const Widened<Dtype> in(xh, m * k, bias_h, n);
   const float* b = in.bias_or_null();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
@@ -236,7 +243,7 @@ void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* pane
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t p = 2 * pair;
       const int count = p + 1 < num_panels ? 2 : 1;
-      panel_pair_row<Dtype>(in.x.data(), k, panels + p * k * kPanel, count, b, p * kPanel, n,
+      panel_pair_row<Dtype, Out>(in.x.data(), k, panels + p * k * kPanel, count, b, p * kPanel, n,
                             out);
     }
     return;
@@ -246,29 +253,31 @@ void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* pane
     const uint16_t* panel = panels + p * k * kPanel;
     const int64_t n0 = p * kPanel;
     int64_t r = 0;
-    for (; r < m6; r += 6) panel_tile<Dtype, 6>(&in.x[r * k], k, panel, b, n0, n, out + r * n);
+    for (; r < m6; r += 6) panel_tile<Dtype, 6, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n);
     switch (m - r) {
-      case 5: panel_tile<Dtype, 5>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 4: panel_tile<Dtype, 4>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 3: panel_tile<Dtype, 3>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 2: panel_tile<Dtype, 2>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 1: panel_tile<Dtype, 1>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 5: panel_tile<Dtype, 5, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 4: panel_tile<Dtype, 4, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 3: panel_tile<Dtype, 3, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 2: panel_tile<Dtype, 2, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 1: panel_tile<Dtype, 1, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
       default: break;
     }
   }
 }
 
+template <typename Out>
 using Product = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
-                        const uint16_t*, uint16_t*, int);
+                         const uint16_t*, Out*, int);
 
 // Checks the sizes and runs the product's bf16 or fp16 instance: 0, or a refusal status.
-int run_product(Product bf16, Product f16, int dtype, const void* x, int64_t m, int64_t k,
-                const void* w, int64_t n, const void* bias, void* out, int threads) {
+template <typename Out>
+int run_product(Product<Out> bf16, Product<Out> f16, int dtype, const void* x, int64_t m,
+                int64_t k, const void* w, int64_t n, const void* bias, void* out, int threads) {
   if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
-  Product product = dtype == kBf16 ? bf16 : dtype == kF16 ? f16 : nullptr;
+  Product<Out> product = dtype == kBf16 ? bf16 : dtype == kF16 ? f16 : nullptr;
   if (product == nullptr) return 2;
   product(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(w), n,
-          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), threads);
+          static_cast<const uint16_t*>(bias), static_cast<Out*>(out), threads);
   return 0;
 }
 
@@ -276,14 +285,23 @@ int run_product(Product bf16, Product f16, int dtype, const void* x, int64_t m, 
 
 extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, const void* w,
                               int64_t n, const void* bias, void* out, int threads) {
-  return run_product(linear<kBf16>, linear<kF16>, dtype, x, m, k, w, n, bias, out, threads);
+  return run_product<uint16_t>(linear<kBf16>, linear<kF16>, dtype, x, m, k, w, n, bias, out,
+                               threads);
 }
 
 extern "C" int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k,
                                const void* panels, int64_t n, const void* bias, void* out,
                                int threads) {
-  return run_product(panel_linear<kBf16>, panel_linear<kF16>, dtype, x, m, k, panels, n, bias,
-                     out, threads);
+  return run_product<uint16_t>(panel_linear<kBf16, uint16_t>, panel_linear<kF16, uint16_t>,
+                               dtype, x, m, k, panels, n, bias, out, threads);
+}
+
+// The same product, its outputs (rounded to the weight's dtype) stored as float32: logits.
+extern "C" int tg_panel_linear_f32(int dtype, const void* x, int64_t m, int64_t k,
+                                   const void* panels, int64_t n, const void* bias, void* out,
+                                   int threads) {
+  return run_product<float>(panel_linear<kBf16, float>, panel_linear<kF16, float>, dtype, x, m,
+                            k, panels, n, bias, out, threads);
 }
 
 extern "C" int tg_half_linear_available() { return 1; }
@@ -297,6 +315,11 @@ extern "C" int tg_half_linear(int, const void*, int64_t, int64_t, const void*, i
 
 extern "C" int tg_panel_linear(int, const void*, int64_t, int64_t, const void*, int64_t,
                                const void*, void*, int) {
+  return 3;
+}
+
+extern "C" int tg_panel_linear_f32(int, const void*, int64_t, int64_t, const void*, int64_t,
+                                   const void*, void*, int) {
   return 3;
 }
 
