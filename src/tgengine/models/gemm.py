@@ -140,8 +140,8 @@ class Gemm:
         """``F.linear(x, weight, bias)``; ``float_output``: as float32 (its ``.float()``)."""
         if float_output:
             if isinstance(weight, LinearWeights) and isinstance(weight.packed, Panels):
-                packed = weight.packed
-                return kernels.panel_linear(x, packed.data, packed.rows, bias, float_output=True)
+                panels = weight.packed
+                return kernels.panel_linear(x, panels.data, panels.rows, bias, float_output=True)
             return self.linear(x, weight, bias).float()
         if isinstance(weight, LinearWeights):
             packed = weight.packed
