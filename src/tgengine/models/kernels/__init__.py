@@ -112,8 +112,28 @@ def _build(compiler: str) -> Path:
     log.info("compiling tgengine's CPU kernels once into %s", library.parent)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
+        # One compiler per source, side by side (the cores are free at start-up), then a link.
+        objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
+        compiles = [
+            subprocess.Popen(
+                [compiler, *_FLAGS, "-c", "-o", str(obj), str(source)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for source, obj in zip(_SOURCES, objects, strict=True)
+        ]
+        try:
+            errors = [proc.communicate(timeout=300)[1] for proc in compiles]
+        finally:
+            for proc in compiles:  # a timeout or an interrupt leaves no compiler behind
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for proc, err in zip(compiles, errors, strict=True):
+            if proc.returncode != 0:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
         subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES)],
+            [compiler, *_FLAGS, "-o", str(built), *map(str, objects)],
             check=True,
             capture_output=True,
             timeout=300,
