@@ -22,8 +22,21 @@ from tgengine import (
 S = EngineState
 TAGS = frozenset({"weights", "kv_cache"})
 NATURAL = frozenset({"length", "stop"})
-CACHE_ERROR = "cache not ready"
+# an ended request's error text (lower case) must contain one of its allowed error kinds
+CACHE_ERROR = "injected fault: cache not ready"  # the cause, as the faulted rank found it
 DEATH_ERROR = "engine died"
+
+
+def cache_error_text(request_id: str) -> str:
+    """The error of ``request_id``'s injected cache fault: it names the request and the cause."""
+    return f"kv cache not ready for request {request_id!r}: {CACHE_ERROR}"
+
+
+def death_error_text(kind: str) -> str:
+    """The error every request gets when a step raises (``Boom``) or hangs (a timeout)."""
+    if kind == "raise":
+        return f"{DEATH_ERROR}: boom: injected"
+    return f"{DEATH_ERROR}: steptimeouterror: forward step did not return within step_timeout="
 
 
 @dataclass

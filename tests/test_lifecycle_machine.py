@@ -49,11 +49,11 @@ from tgengine import (
 from engine_helpers import engine_threads, hf_greedy, tiny_config
 from lifecycle_driver import BOUND, EngineDriver, mp_executor_exists, read_dir_weights
 from lifecycle_model import (
-    CACHE_ERROR,
-    DEATH_ERROR,
     EngineModel,
     RequestModel,
+    cache_error_text,
     check_outcome,
+    death_error_text,
 )
 from process_helpers import child_pids
 
@@ -118,6 +118,27 @@ def reference(dir_a: str, dir_b: str) -> dict[str, dict[int, list[int]]]:
     return {
         w: {i: hf_greedy(d, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)} for w, d in dirs.items()
     }
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def expected_text(model_dir: str, prompt: list[int], tokens: list[int]) -> str:
+    """The text of ``tokens`` after ``prompt``, as one decoding of them all gives it (the
+    streamed chunks must add up to it, held-back partial characters included)."""
+
+    def decode(ids: list[int]) -> str:
+        text: str = tokenizer(model_dir).decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    context = prompt[-5:]  # the detokenizer's context: the prompt's last tokens
+    return decode(context + tokens)[len(decode(context)) :]
 
 
 @functools.lru_cache(maxsize=2)
@@ -351,6 +372,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.weights_are(self.model.weights)
         self.released_if_running()
 
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule(mode=st.sampled_from(["abort", "drain"]), weights_first=st.booleans())
+    def deep_sleep_cycle(self, mode: str, weights_first: bool) -> None:
+        """A whole level-2 cycle with a request on: sleep, wake the weights (reloaded from
+        disk: a new ``weight_version``) and the KV cache one at a time, in either order,
+        checking the engine between the steps. Random rule draws seldom put a weights
+        wakeup after a level-2 sleep; this rule always does, with fixed sub-steps."""
+        self.sleep(2, mode, busy=True)
+        self.check_engine()
+        order = (["weights"], ["kv_cache"]) if weights_first else (["kv_cache"], ["weights"])
+        for tags in order:
+            self.wakeup(tags, busy=True)
+            self.check_engine()
+
     def weights_are(self, weights: str) -> None:
         for req in self.live():
             req.weights_changed(weights)
@@ -383,6 +418,17 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert culprit in str(error), (culprit, error)  # it names the tensor and the fault
         assert kept in ([], [0]), f"{kept} prefixes computed with the old weights kept"
         self.weights_are(self.model.weights)
+
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule(weights=st.sampled_from(["A", "B"]))
+    def update_after_a_request(self, weights: str) -> None:
+        """A short request ends (its full blocks stay cached as prefixes), then the weights
+        change: those prefixes, computed with the old weights, must go at once."""
+        req = self.admit(1, 1)
+        assert req is not None
+        late = self.d.wait_ended([req])
+        assert not late, f"a one-token request did not end: {late}"
+        self.update_weights(weights)
 
     @precondition(lambda self: self.model.alive)
     @rule(call=st.sampled_from(sorted(INVALID_CALLS)))
@@ -451,12 +497,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         again = self.d.call(self.d.engine.run)
         assert str(again) == "cannot run the engine twice while the engine is stopped", again
 
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule(mode=st.sampled_from(["keep", "drain"]), grace=st.sampled_from([0.0, BOUND / 3]))
+    def stop_while_held(self, mode: str, grace: float) -> None:
+        """Pause with a request running, submit one (held while paused), stop: the held one
+        ends at once. Random rule draws seldom stop while a request is held."""
+        self.pause(mode, busy=True)
+        self.admit(2, MAX_TOKENS)
+        self.stop(grace)
+
     # -- faults ---------------------------------------------------------------------
 
     @precondition(lambda self: self.model.state is S.RUNNING and self.d.inside)
     @rule(pick=st.integers(0, 255))
     def cache_error(self, pick: int) -> None:
-        """One request's cache is not ready in the next few steps; a sibling shares them."""
+        """One request's cache is not ready in the coming steps (it ends with that error at
+        its first; a sibling shares them and ends undisturbed). The rule waits for the
+        victim's end, so that the error is seen before later rules pause or stop it."""
         victim = self.pick(pick) if self.d.requests else None
         if victim is None or victim.request_id not in self.d.live_ids():
             victim = self.admit(pick % len(PROMPTS), MAX_TOKENS)
@@ -465,11 +522,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         faults, request_id = self.d.faults, victim.request_id
 
         def arm() -> None:
-            for step in range(faults.num_steps + 1, faults.num_steps + 4):
+            for step in range(faults.num_steps + 1, faults.num_steps + 2 * MAX_MODEL_LEN):
                 faults.cache_not_ready_at.setdefault(step, set()).add(request_id)
 
         self.d.run_sync(arm)
-        victim.may_end("error", CACHE_ERROR, now=False)  # if it runs in those steps
+        victim.may_end("error", cache_error_text(request_id), now=False)  # if it runs then
+        self.d.wait_ended([victim])  # it may have been preempted, even more than once
 
     @precondition(
         lambda self: self.model.state is S.RUNNING and self.num_deaths < 2 and self.d.inside
@@ -489,7 +547,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.admit(0, MAX_TOKENS)
         for req in self.d.requests:
             if not req.checked:  # even if its consumer has already seen the error
-                req.may_end("error", DEATH_ERROR)
+                req.may_end("error", death_error_text(kind))
         late = self.d.wait_ended(self.live())  # every request ends at the fault, not later
         faults.release()
         assert not late, f"requests not ended by the engine's death: {late}"
@@ -551,7 +609,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         for req in self.d.requests:
             if req.done.is_set() and not req.checked:
                 check_outcome(req, self.reference, self.model.version)
+                self.check_text(req)
                 req.checked = True
+
+    def check_text(self, req: RequestModel) -> None:
+        """A request that ended naturally streamed the whole text of its tokens."""
+        if not req.chunks or req.chunks[-1].finish_reason != "length":
+            return
+        tokens = [t for c in req.chunks for t in c.token_ids]
+        text = "".join(c.text for c in req.chunks)
+        want = expected_text(str(self.dir_a), PROMPTS[req.prompt], tokens)
+        assert text == want, (req.request_id, tokens, text, want)
 
     def check_every_request_ended(self) -> None:
         late = self.d.wait_ended(self.d.requests)
