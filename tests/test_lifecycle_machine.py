@@ -378,7 +378,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A whole level-2 cycle with a request on: sleep, wake the weights (reloaded from
         disk: a new ``weight_version``) and the KV cache one at a time, in either order,
         checking the engine between the steps. Random rule draws seldom put a weights
-        wakeup after a level-2 sleep; this rule always does, with fixed sub-steps."""
+        wakeup after a level-2 sleep; this rule always does, with fixed sub-steps (no draws
+        depend on the engine)."""
         self.sleep(2, mode, busy=True)
         self.check_engine()
         order = (["weights"], ["kv_cache"]) if weights_first else (["kv_cache"], ["weights"])
@@ -436,13 +437,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A call with an invalid argument raises ``InvalidRequestError`` naming it, in any
         state, and changes nothing (the invariants check the state); an unknown id's abort
         is a no-op."""
-        method, args, field, bad = INVALID_CALLS[call]
-        if method == "abort":
-            self.d.run_sync(self.d.engine.abort, "no-such-request")
-            return
-        _, error = self.control(getattr(self.d.engine, method), *args)
-        assert isinstance(error, InvalidRequestError) and error.field == field, (call, error)
-        assert bad is None or repr(bad) in str(error), (call, error)
+        names = sorted(INVALID_CALLS)  # all of them, the drawn one first
+        for name in names[names.index(call) :] + names[: names.index(call)]:
+            method, args, field, bad = INVALID_CALLS[name]
+            if method == "abort":
+                self.d.run_sync(self.d.engine.abort, "no-such-request")
+                continue
+            _, error = self.control(getattr(self.d.engine, method), *args)
+            assert isinstance(error, InvalidRequestError) and error.field == field, (name, error)
+            assert bad is None or repr(bad) in str(error), (name, error)
 
     @precondition(lambda self: self.model.admission_error() is None)
     @rule(pick=st.integers(0, 255))
@@ -496,6 +499,26 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.model.state = S.STOPPED
         again = self.d.call(self.d.engine.run)
         assert str(again) == "cannot run the engine twice while the engine is stopped", again
+        self.check_refused_when_stopped()
+
+    def check_refused_when_stopped(self) -> None:
+        """Every control call on a stopped engine raises ``IllegalStateError`` naming it."""
+        engine, model = self.d.engine, self.model
+        calls = [
+            ("pause", model.pause("drain"), engine.pause, ("drain",)),
+            ("resume", model.resume(), engine.resume, ()),
+            ("sleep", model.sleep(1, "abort"), engine.sleep, (1, "abort")),
+            ("wake up", model.wakeup(["weights"]), engine.wakeup, (["weights"],)),
+            (
+                "update weights",
+                model.update_weights("A"),
+                engine.update_weights,
+                (str(self.dir_a),),
+            ),
+        ]
+        for action, want, fn, args in calls:
+            _, error = self.control(fn, *args)
+            self.expect(error, want, action)
 
     @precondition(lambda self: self.model.state is S.RUNNING)
     @rule(mode=st.sampled_from(["keep", "drain"]), grace=st.sampled_from([0.0, BOUND / 3]))
