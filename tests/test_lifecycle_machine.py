@@ -6,7 +6,11 @@ raises or hangs, one request's cache error), on asyncio and on trio. A model
 (``lifecycle_model``) says how every request must end and what the engine's state must
 be; after every rule the machine checks the state, the memory, the block accounting and
 the counters, and checks each ended request against its model: its finish reason, its
-error, and its tokens against transformers' greedy reference for the weights it ran on.
+error, its tokens against transformers' greedy reference for the weights it ran on, and
+its streamed text against one decoding of its tokens. A few scenario rules make fixed
+sequences that random draws seldom reach (a level-2 sleep/wakeup cycle, a stop while a
+request is held, an update after a request cached its prefixes); their sub-steps draw
+nothing, so a derandomized run stays repeatable.
 
 ``TGENGINE_HYPOTHESIS_EXAMPLES`` (default 10 per backend) and ``TGENGINE_HYPOTHESIS_STEPS``
 (default 25) give longer runs; ``TGENGINE_HYPOTHESIS_DERANDOMIZE=1`` makes a run repeatable
