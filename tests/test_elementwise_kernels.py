@@ -7,17 +7,24 @@ last bit of ``exp``); and a model's logits with them on and off.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from tgengine.models import load_model, load_model_config
+from test_model_fast_paths import _prefill_then_decode, _prompts
+from tgengine.models import llama, load_model, load_model_config
 from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
+from tgengine.models.kernels.decode_layer import DecodeLayerCall
 from tgengine.models.layers import RMSNorm, activation
+from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
-from tgengine.models.weights import copy_weights, pack_weights
+from tgengine.models.weights import copy_weights, drop_packed, pack_weights
+
+from model_factory import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
     not elementwise.applies(torch.zeros(1, dtype=torch.bfloat16)),
@@ -133,8 +140,6 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from test_model_fast_paths import _prefill_then_decode, _prompts
-
     model_dir: Path = request.getfixturevalue(fixture)
     config = load_model_config(model_dir)
     fast = load_model(config, model_dir, dtype, "cpu")
@@ -177,12 +182,6 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from test_model_fast_paths import _prefill_then_decode, _prompts
-    from tgengine.models import llama
-    from tgengine.models.kernels.decode_layer import DecodeLayerCall
-
-    from model_factory import make_tiny_model_dir
-
     # head_dim 32: one the paged decode kernel takes (the whole-layer call needs it).
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, head_dim=32, **overrides)
     config = load_model_config(model_dir)
@@ -213,3 +212,33 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     assert len(runs) == 2 * config.num_layers, "the layer-by-layer path made no call"
     assert torch.equal(updated, want), "same kernels in the same order: the same bits"
     assert not torch.equal(updated, got)
+
+
+def test_a_layer_call_keeps_no_weights_alive_and_follows_a_reload(tmp_path: Path) -> None:
+    model_dir = make_tiny_model_dir(tmp_path / "llama", "llama", head_dim=32)
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, torch.bfloat16, "cpu")
+    model.gemm.prepack = True
+    pack_weights(model)
+    prompts = _prompts(config.vocab_size, [5, 9, 2])
+    before = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    layer = model.model.layers[0]
+    assert layer._decode_call is not None, "the decode step made its layer calls"
+    packed = layer.self_attn.qkv.packed
+    assert packed is not None
+    panels = weakref.ref(packed.data)
+    del packed
+    # What sleep(2) does to the weights: the packed forms dropped, the values discarded.
+    drop_packed(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+    gc.collect()
+    assert panels() is None, "a layer call does not keep dropped weights in memory"
+    # wakeup: reloaded from disk and packed again, at new addresses or reused ones.
+    for name, p in model.named_parameters():
+        p.data = torch.empty(shapes[name], dtype=p.dtype)
+    load_weights(model, iter_stored(model_dir), strict=True, source=str(model_dir))
+    pack_weights(model)
+    after = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    assert torch.equal(after, before)

@@ -60,13 +60,15 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
     )
 
 
-def _key(sources: tuple[object, ...]) -> tuple[object, ...]:
-    """What the call's pointers depend on: each product's packed form (by identity), the
-    norms' and biases' storage."""
-    key: list[object] = []
+def _key(sources: tuple[object, ...]) -> tuple[int | None, ...]:
+    """Where the call's pointers point: each product's panels, the norms' and the biases'
+    storage. The call keeps none of them alive (a sleep must free them), so a new tensor
+    found at an old address is the memory the pointer reads: the call stays right."""
+    key: list[int | None] = []
     for source in sources:
         if isinstance(source, LinearWeights):
-            key.append(id(source.packed))
+            packed = source.packed
+            key.append(packed.data.data_ptr() if isinstance(packed, Panels) else None)
         else:  # a module: its parameters' dict, without nn.Module's slow attribute lookup
             params = source._parameters  # type: ignore[attr-defined]
             for name in ("weight", "bias"):

@@ -96,7 +96,9 @@ class DecodeLayerCall:
         self.key = tuple(key)
         self.sources = tuple(sources)
         """What ``key`` was computed from (the caller recomputes it to see a change)."""
-        self._keep = (*weights, *norms, qkv_bias)  # what the pointers point into
+        # The weights are not kept alive (``sleep`` must be able to free them: ``key``
+        # tells when they move); the bias may be a converted copy, kept.
+        self._bias = qkv_bias
         qkv, o, gate_up, down = weights
         self.args = _DecodeLayer(
             dtype=kernels._DTYPES[dtype],
