@@ -32,8 +32,9 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     sources = (attn.qkv, attn.o, ffn.gate_up, ffn.down, *norms, *attn._projs)
-    panels = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
-    if not all(isinstance(p, Panels) for p in panels):
+    packed = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
+    panels = [p for p in packed if isinstance(p, Panels)]
+    if len(panels) != len(packed):
         return None
     dtype = attn.qkv.dtype
     if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
@@ -45,7 +46,7 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
         key=_key(sources),
         sources=sources,
         dtype=dtype,
-        weights=[p.data for p in panels if isinstance(p, Panels)],
+        weights=[p.data for p in panels],
         qkv_bias=bias,
         norms=[n.weight for n in norms],
         eps=norms[0].eps,
@@ -54,7 +55,7 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
-        inter=ffn.gate_up.params[0].shape[0] * len(ffn.gate_up.params) // 2,
+        inter=panels[2].rows // 2,  # gate and up rows
         scale=attn.scale,
         window=attn.window,
     )

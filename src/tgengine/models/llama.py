@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
             residual = None if residual is None else residual[inputs.logits_rows]
-        x, _ = self.model.norm.add_and_norm(x, residual, fused=self.use_kernels)
+        x, _ = self.model.norm.add_and_norm(x, residual, fused=fused)
         local = self.gemm.linear(x, self.head, float_output=True)
         logits = gather_logits(local, c.vocab_size, self.parallel).float()
         cap = c.final_logit_softcapping

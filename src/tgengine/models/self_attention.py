@@ -125,9 +125,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,
     ) -> bool:
         return (
-            step.fused
+            step.fused  # the kernels apply to this step's dtype and device
             and self.q_norm is None
-            and elementwise.applies(qkv)
             and qkv.is_contiguous()
             and blocks.dtype == qkv.dtype
             and cos.dtype == qkv.dtype

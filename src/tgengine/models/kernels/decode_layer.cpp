@@ -56,12 +56,10 @@ extern "C" int tg_decode_layer(const DecodeLayer* L) {
   std::vector<char> h(rows * hidden * elem), qkv(rows * qkv_size * elem),
       q(rows * q_size * elem), attn(rows * q_size * elem), o(rows * hidden * elem),
       gate_up(rows * 2 * L->inter * elem), inner(rows * L->inter * elem);
+  // Layer 0 only norms its input, which is then the residual stream the later add writes.
+  int status = tg_add_rms_norm(dtype, L->x, L->residual, L->input_norm, rows, hidden, L->eps,
+                               L->unit_offset, h.data(), threads);
   void* residual = L->residual ? L->residual : L->x;
-  void* added = L->residual ? L->x : nullptr;  // layer 0 only norms its input
-  int status = added ? tg_add_rms_norm(dtype, added, residual, L->input_norm, rows, hidden,
-                                       L->eps, L->unit_offset, h.data(), threads)
-                     : tg_add_rms_norm(dtype, residual, nullptr, L->input_norm, rows, hidden,
-                                       L->eps, L->unit_offset, h.data(), threads);
   if (status) return 100 + status;
   status = tg_panel_linear(dtype, h.data(), rows, hidden, L->qkv_panels, qkv_size, L->qkv_bias,
                            qkv.data(), threads);
