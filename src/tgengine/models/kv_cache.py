@@ -7,10 +7,17 @@ of the second axis holds keys, 1 values. A token's KV lives at the flat slot
 The memory underneath is head-major (``[num_layers, 2, num_kv_heads, slots, head_dim]``) and
 ``kv`` is a permuted view of it: gathering a sequence's blocks then yields each head's keys
 contiguously, which is the layout the attention matmuls read without another copy.
+
+On a CPU the memory comes from an anonymous mapping: the kernel hands out zeroed pages on
+first touch, so allocating costs nothing and a block's pages become resident only once a
+sequence writes there. ``torch.zeros`` would write all of it at start-up and at every
+``wakeup``: 0.3-4 s for the 512 MiB default on a VM whose fresh pages are slow to fault in.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +56,7 @@ class KVCache:
             num_blocks * block_size,
             config.head_dim,
         )
-        heads = torch.zeros(shape, dtype=dtype, device=device)
+        heads = zeroed(shape, dtype, torch.device(device))
         return KVCache(kv=heads.permute(0, 1, 3, 2, 4), block_size=block_size)
 
     @staticmethod
@@ -79,3 +86,18 @@ class KVCache:
         if not heads.is_contiguous():
             raise ValueError("KVCache.kv must be a view of head-major memory (use allocate)")
         return heads.view(2, heads.shape[1], self.num_blocks, self.block_size, heads.shape[-1])
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on CPU, pages that become resident only when first written.
+
+    The mapping lives as long as the tensor (or any view of it) does.
+    """
+    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no such mapping
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
