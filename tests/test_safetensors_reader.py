@@ -77,3 +77,42 @@ def test_a_broken_file_is_a_model_load_error(tmp_path: Path, damage: str) -> Non
     file.write_bytes(data[:-8] if damage == "truncated" else b"\xff" * 8 + data[8:])
     with pytest.raises(ModelLoadError, match=r"cannot read model\.safetensors"):
         list(iter_safetensors(tmp_path))
+
+
+def test_another_dtype_is_converted_chunk_by_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Narrowing float32 to bfloat16 in small chunks (a tail chunk too) equals one cast."""
+    import tgengine.models.safetensors_reader as reader
+
+    monkeypatch.setattr(reader, "_CHUNK_BYTES", 4 * 7)  # 7 float32 values a chunk
+    full = torch.randn(9, 5)
+    file = tmp_path / "model.safetensors"
+    save_file({"w": full}, str(file))
+    (stored,) = stored_tensors(file)
+    narrow = torch.empty(9, 5, dtype=torch.bfloat16)
+    address = narrow.data_ptr()
+    stored.copy_into(narrow)
+    assert narrow.data_ptr() == address and torch.equal(narrow, full.to(torch.bfloat16))
+    rows = torch.empty(4, 5, dtype=torch.float16)
+    stored.copy_slice_into(0, 3, 7, rows)
+    assert torch.equal(rows, full[3:7].to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_slices_read_each_row_and_all_columns_read_at_once(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    full = torch.randn(6, 8)
+    file = tmp_path / "model.safetensors"
+    save_file({"w": full}, str(file))
+    (stored,) = stored_tensors(file)
+    columns = torch.empty(6, 3, dtype=dtype)
+    stored.copy_slice_into(1, 2, 5, columns)
+    assert torch.equal(columns, full[:, 2:5].to(dtype))
+    every = torch.empty(6, 8, dtype=dtype)
+    stored.copy_slice_into(1, 0, 8, every)
+    assert torch.equal(every, full.to(dtype))
+    inside = torch.zeros(6, 10, dtype=dtype)  # a destination that is not contiguous
+    stored.copy_slice_into(1, 0, 8, inside[:, 1:9])
+    assert torch.equal(inside[:, 1:9], full.to(dtype)) and not inside[:, [0, 9]].any()

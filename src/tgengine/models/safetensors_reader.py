@@ -5,7 +5,8 @@ The format is an 8-byte little-endian header length, a JSON header (``{name: {"d
 bytes. ``safetensors.safe_open`` memory-maps the whole file, and every page a load touches
 then counts in the process's RSS until the file is closed: a single-file checkpoint peaks at
 twice its size. Reading each tensor with ``readinto`` into the parameter it fills costs no
-second copy and leaves nothing mapped.
+second copy and leaves nothing mapped; a tensor stored in another dtype (the default model's
+float32 file loaded as bfloat16) passes through one small buffer, a chunk at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+_CHUNK_BYTES = 8 * 1024 * 1024  # a tensor stored in another dtype is converted this much at a time
 
 
 @dataclass(frozen=True)
@@ -52,42 +54,60 @@ class StoredTensor:
 
     def copy_into(self, param: torch.Tensor) -> None:
         """Fill ``param`` (same shape; any dtype and device) with this tensor's values."""
-        direct = param.device.type == "cpu" and param.dtype == self.dtype
-        if direct and param.is_contiguous():
+        if param.device.type == "cpu" and param.is_contiguous():
             self.read_into(param)
         else:
             param.copy_(self.read())
 
     def read_into(self, out: torch.Tensor) -> None:
-        nbytes = self.end - self.begin
-        if out.numel() * out.element_size() != nbytes:
-            raise ValueError(f"{self.name}: {nbytes} bytes on disk, {tuple(out.shape)} expected")
+        """Fill ``out`` (contiguous, on CPU, this tensor's shape; any dtype)."""
+        if out.shape != self.shape:
+            raise ValueError(f"{self.name}: {tuple(self.shape)} on disk, {tuple(out.shape)} given")
         with open(self.file, "rb", buffering=0) as f:
-            self._read_at(f, self.begin, out)
+            self._read_converted_at(f, self.begin, out)
 
     def copy_slice_into(self, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Fill ``out`` with ``tensor.narrow(dim, start, stop - start)``, reading only that.
 
         ``dim`` is 0 (rows: one contiguous read) or 1 (columns: one read per row).
         """
-        direct = out.device.type == "cpu" and out.dtype == self.dtype and out.is_contiguous()
-        target = out if direct else torch.empty(out.shape, dtype=self.dtype)
         expected = list(self.shape)
         expected[dim] = stop - start
-        if list(target.shape) != expected or dim not in (0, 1) or not 0 <= start <= stop:
+        if list(out.shape) != expected or dim not in (0, 1) or not 0 <= start <= stop:
             raise ValueError(
                 f"{self.name}: slice {start}:{stop} of dim {dim} does not fit {tuple(out.shape)}"
             )
-        element = target.element_size()
+        if dim == 1 and (start, stop) == (0, self.shape[1]):
+            dim, stop = 0, self.shape[0]  # every column: the rows' bytes, in one piece
         row_bytes = (self.end - self.begin) // max(1, self.shape[0])
+        rows_in_place = dim == 0 and out.device.type == "cpu" and out.is_contiguous()
         with open(self.file, "rb", buffering=0) as f:
+            if rows_in_place:
+                self._read_converted_at(f, self.begin + start * row_bytes, out)
+                return
+            target = torch.empty(out.shape, dtype=self.dtype)
             if dim == 0:
                 self._read_at(f, self.begin + start * row_bytes, target)
             else:
+                element = target.element_size()
                 for row in range(target.shape[0]):
                     self._read_at(f, self.begin + row * row_bytes + start * element, target[row])
-        if not direct:
-            out.copy_(target)
+        out.copy_(target)
+
+    def _read_converted_at(self, f: BinaryIO, position: int, out: torch.Tensor) -> None:
+        """Fill contiguous CPU ``out`` from ``position`` on, converting to its dtype in
+        chunks of at most ``_CHUNK_BYTES``: no full-size copy in the stored dtype."""
+        if out.dtype == self.dtype:
+            self._read_at(f, position, out)
+            return
+        flat = out.view(-1)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_chunk = max(1, _CHUNK_BYTES // element)
+        chunk = torch.empty(min(per_chunk, flat.numel()), dtype=self.dtype)
+        for first in range(0, flat.numel(), per_chunk):
+            part = chunk[: min(per_chunk, flat.numel() - first)]
+            self._read_at(f, position + first * element, part)
+            flat[first : first + part.numel()].copy_(part)
 
     def _read_at(self, f: BinaryIO, position: int, out: torch.Tensor) -> None:
         nbytes = out.numel() * out.element_size()
