@@ -100,6 +100,18 @@ def test_params_take_exactly_one_constraint() -> None:
     assert hash(SamplingParams(structured_outputs=a)) == hash(SamplingParams(structured_outputs=a))
 
 
+async def test_the_compiler_is_built_by_the_first_constraint(tiny_llama_dir: Path) -> None:
+    """Start-up and unconstrained requests never build it (a second for a 50k vocabulary)."""
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tiny_config(tiny_llama_dir)) as engine:
+            await collect(engine, PROMPT, SamplingParams(max_tokens=2))
+            grammars = engine._grammars
+            assert grammars is not None and grammars._compiler is None
+            await engine.prepare_structured_outputs(constrained("json", max_tokens=4))
+            assert grammars._compiler is not None
+            assert grammars.cache_info().misses == 1
+
+
 async def test_compiled_grammars_are_cached(tiny_llama_dir: Path) -> None:
     with anyio.fail_after(TIMEOUT):
         async with open_engine(tiny_config(tiny_llama_dir)) as engine:

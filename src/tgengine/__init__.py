@@ -1,5 +1,7 @@
 """tgengine: an LLM inference engine whose lifecycle is structured concurrency."""
 
+from typing import TYPE_CHECKING, Any
+
 from .config import EngineConfig
 from .engine import Engine
 from .engine_client import EngineClient
@@ -17,11 +19,14 @@ from .errors import (
 from .model_agent import MemoryStats
 from .open_engine import open_engine
 from .outputs import RequestOutput
-from .process import EngineProcessExited, ProcessEngine
+from .process.errors import EngineProcessExited
 from .sampling import SamplingParams
 from .state import EngineState
 from .stats import EngineStats
 from .structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from .process import ProcessEngine
 
 __all__ = [
     "CacheNotReadyError",
@@ -47,3 +52,12 @@ __all__ = [
     "open_engine",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The engine-process client loads on first use (an in-process engine never needs it).
+    if name == "ProcessEngine":
+        from .process import ProcessEngine
+
+        return ProcessEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,8 +36,7 @@ from .scheduler import Scheduler
 from .state import MEMORY_TAGS, EngineState
 from .stats import Counters, EngineStats
 from .stream import RequestStream
-from .structured_outputs.compiler import GrammarCompiler
-from .structured_outputs.matcher import GrammarMatcher
+from .structured_outputs.grammars import Grammars
 from .tokenizer import load_tokenizer
 
 PauseMode = Literal["abort", "drain", "keep"]
@@ -66,7 +65,7 @@ class Engine:
         self._held: list[Request] = []
         self._weight_version = 0
         self._tokenizer: Any = None
-        self._grammars: GrammarCompiler | str | None = None  # str: why there is none
+        self._grammars: Grammars | None = None  # once the tokenizer and the model are known
         self._control_lock = anyio.Lock()
         self._stop_event = anyio.Event()
         self._stop_grace = 0.0
@@ -92,11 +91,16 @@ class Engine:
         self._run_called = True
         try:
             async with anyio.create_task_group() as tg:
-                self._tokenizer = await anyio.to_thread.run_sync(
-                    load_tokenizer, self.config.tokenizer or self.config.model
-                )
+                # The thread count is measured on a quiet process; then the tokenizer (mostly
+                # transformers' imports, GIL-bound) loads while the weights do (mostly I/O
+                # and copies, which release the GIL).
+                await anyio.to_thread.run_sync(self._loop.executor.prepare)
+                tokenizer_loaded = anyio.Event()
+                tg.start_soon(self._load_tokenizer, tokenizer_loaded)
                 await tg.start(self._loop.run)
-                self._grammars = await anyio.to_thread.run_sync(self._grammar_compiler)
+                await tokenizer_loaded.wait()
+                mc = self.model_config
+                self._grammars = Grammars(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
                 self._attach_hooks()
                 if self._state is S.STARTING:
                     self._state = S.RUNNING
@@ -115,6 +119,11 @@ class Engine:
             if self._state is not S.DEAD:
                 self._end_all("abort")
                 self._state = S.STOPPED
+
+    async def _load_tokenizer(self, loaded: anyio.Event) -> None:
+        source = self.config.tokenizer or self.config.model
+        self._tokenizer = await anyio.to_thread.run_sync(load_tokenizer, source)
+        loaded.set()
 
     def stop(self, grace: float = 0.0) -> None:
         """Stop admitting; let admitted requests run up to ``grace`` seconds, abort the rest.
@@ -179,14 +188,17 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
         elif tracker.is_in_use(request_id):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        grammar = self._grammar_matcher(params)
+        assert self._grammars is not None
+        grammar = self._grammars.matcher(params.structured_outputs)
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
         requests = new_requests(request_id, token_ids, params, self._tokenizer, send)
         if any(tracker.is_in_use(r.request_id) for r in requests):
             receive.close()
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         for request in requests:
-            request.grammar = grammar if request.index == 0 else self._grammar_matcher(params)
+            if request.index > 0:
+                grammar = self._grammars.matcher(params.structured_outputs)
+            request.grammar = grammar
             tracker.add(request)
         self._counters.prompt_tokens += len(token_ids)
         if self._state is S.RUNNING:
@@ -201,30 +213,15 @@ class Engine:
         """Compile ``params.structured_outputs`` off the event loop, into the cache that
         ``generate`` reads; a no-op without a constraint or before the engine started.
 
-        A large schema can take tens of milliseconds to compile: a server calls this before
-        ``generate`` so that admission never holds the event loop that long. Raises
+        A large schema can take tens of milliseconds to compile, and the first constraint
+        also builds the compiler (about a second for a 50k vocabulary): a server calls this
+        before ``generate`` so that admission never holds the event loop that long. Raises
         ``InvalidRequestError`` for a constraint that does not compile, as ``generate`` would.
         """
         grammars = self._grammars
-        if params.structured_outputs is None or not isinstance(grammars, GrammarCompiler):
+        if params.structured_outputs is None or grammars is None:
             return
         await anyio.to_thread.run_sync(grammars.matcher, params.structured_outputs)
-
-    def _grammar_compiler(self) -> GrammarCompiler | str:
-        """The compiler of structured outputs, or why this tokenizer cannot have one."""
-        mc = self.model_config
-        try:
-            return GrammarCompiler(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
-        except ValueError as exc:
-            return str(exc)
-
-    def _grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A matcher for the request's constraint (compiled here, cached); None if free."""
-        if params.structured_outputs is None:
-            return None
-        if not isinstance(self._grammars, GrammarCompiler):
-            raise InvalidRequestError("structured_outputs", str(self._grammars))
-        return self._grammars.matcher(params.structured_outputs)
 
     def _check_admission(self) -> None:
         state = self._state

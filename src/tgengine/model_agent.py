@@ -104,6 +104,7 @@ class ModelAgent:
         self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}  # full (checkpoint) shapes
         self._local_shapes: dict[str, torch.Size] = {}  # this rank's shards
         self._info: AgentInfo | None = None
+        self._prepared: tuple[ModelConfig, torch.dtype, torch.device] | None = None
         self._sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._idle = threading.Event()
@@ -186,7 +187,15 @@ class ModelAgent:
             fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
         )
 
-    def _load(self) -> AgentInfo:
+    def prepare(self) -> None:
+        """Read the model's config and set torch's thread count (blocking; once).
+
+        ``run`` does this first if nobody did. The engine calls it before anything else
+        runs beside the agent: the thread count is measured (``cpu_threads``), and work on
+        another core would bias the measurement towards one thread.
+        """
+        if self._prepared is not None:
+            return
         cfg = self.config
         model_config = self._model_config or load_model_config(cfg.model)
         dtype = resolve_dtype(cfg.dtype, model_config)
@@ -195,6 +204,13 @@ class ModelAgent:
             torch.set_num_threads(cfg.num_threads or self._default_threads(dtype))
         if device.type == "cpu":
             kernels.load()  # built once per machine; at start-up, not in the first step
+        self._prepared = (model_config, dtype, device)
+
+    def _load(self) -> AgentInfo:
+        cfg = self.config
+        self.prepare()
+        assert self._prepared is not None
+        model_config, dtype, device = self._prepared
         self._model = load_model(model_config, cfg.model, dtype, device, self.parallel)
         eos = frozenset(model_config.eos_token_ids)
         self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))

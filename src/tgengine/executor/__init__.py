@@ -3,12 +3,16 @@ tensor-parallel rank (``mp``), or one Ray actor per rank (``ray``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .._faults import FaultInjector
 from ..config import EngineConfig
 from .base import Executor
 from .errors import WorkerError, WorkerExited, WorkerFailed
-from .mp_executor import MPExecutor
 from .uni_executor import UniExecutor
+
+if TYPE_CHECKING:
+    from .mp_executor import MPExecutor
 
 __all__ = [
     "Executor",
@@ -27,7 +31,18 @@ def make_executor(config: EngineConfig, faults: FaultInjector | None = None) -> 
     if kind == "uni":
         return UniExecutor(config, faults)
     if kind == "mp":
+        from .mp_executor import MPExecutor
+
         return MPExecutor(config, faults)
     from .ray_executor import RayExecutor  # the optional `ray` extra
 
     return RayExecutor(config, faults)
+
+
+def __getattr__(name: str) -> Any:
+    # The multi-process executor (and its worker's imports) loads only when asked for.
+    if name == "MPExecutor":
+        from .mp_executor import MPExecutor
+
+        return MPExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

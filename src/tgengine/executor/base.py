@@ -12,6 +12,10 @@ from ..step import StepBatch, StepResult
 
 
 class Executor(Protocol):
+    def prepare(self) -> None:
+        """Blocking set-up that must not share the CPU (thread-count timing); ``run`` does it
+        if nobody did. The engine calls it in a worker thread before starting anything else."""
+
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
     ) -> None:

@@ -216,6 +216,9 @@ class MPExecutor:
         finally:
             remove_weights_dir(path)
 
+    def prepare(self) -> None:
+        """Nothing: each rank measures nothing (it takes its share of the cores)."""
+
     def memory_stats(self) -> dict[str, MemoryStats]:
         """Every rank's figures (as of its latest reply), one entry per rank."""
         merged: dict[str, MemoryStats] = {}

@@ -109,6 +109,9 @@ class RayExecutor:
         await self._gather("handle_weights", True, ref)
         await self._refresh_memory_stats()
 
+    def prepare(self) -> None:
+        """Nothing: each rank measures nothing (it takes its share of the cores)."""
+
     def memory_stats(self) -> dict[str, MemoryStats]:
         """One entry per rank (``rank{r}:{device}``), as of the start or the last control call."""
         return dict(self._memory)

@@ -18,6 +18,9 @@ class UniExecutor:
     def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
         self.agent = ModelAgent(config, faults)
 
+    def prepare(self) -> None:
+        self.agent.prepare()
+
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
     ) -> None:

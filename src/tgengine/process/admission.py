@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..admission import check_token_ids, encode_prompt
-from ..errors import InvalidRequestError
 from ..sampling import SamplingParams
-from ..structured_outputs.compiler import GrammarCompiler
+from ..structured_outputs.grammars import Grammars
 
 
 class Admission:
@@ -22,25 +21,16 @@ class Admission:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
-        try:  # as Engine: built once per engine, off the event loop (the caller's thread)
-            self.grammars: GrammarCompiler | str = GrammarCompiler(
-                tokenizer, model_config.vocab_size, model_config.eos_token_ids
-            )
-        except ValueError as exc:
-            self.grammars = str(exc)
+        self.grammars = Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     def token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids; ``InvalidRequestError`` if the engine would refuse it."""
         vocab_size = self.model_config.vocab_size
         token_ids = encode_prompt(self.tokenizer, prompt, vocab_size, self.max_model_len)
         check_token_ids(params, vocab_size)
-        if params.structured_outputs is not None:
-            if not isinstance(self.grammars, GrammarCompiler):
-                raise InvalidRequestError("structured_outputs", self.grammars)
-            self.grammars.matcher(params.structured_outputs)
+        self.grammars.matcher(params.structured_outputs)
         return token_ids
 
     def compile(self, params: SamplingParams) -> None:
         """Compile ``params``' constraint into the cache (call it in a worker thread)."""
-        if params.structured_outputs is not None and isinstance(self.grammars, GrammarCompiler):
-            self.grammars.matcher(params.structured_outputs)
+        self.grammars.matcher(params.structured_outputs)

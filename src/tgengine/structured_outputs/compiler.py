@@ -2,9 +2,9 @@
 
 The grammar library is llguidance (see docs/structured-outputs.md for why). Building its
 view of the tokenizer costs up to a second for a 50k vocabulary, so it is done once per
-engine, off the event loop. A constraint compiles in about a millisecond; the compiled
-matcher is cached by constraint (the compiler belongs to one tokenizer, so the cache is
-keyed by (constraint, tokenizer)) and every request gets a copy of it.
+engine, when the first constraint arrives (``Grammars``). A constraint compiles in about a
+millisecond; the compiled matcher is cached by constraint (the compiler belongs to one
+tokenizer, so the cache is keyed by (constraint, tokenizer)) and every request gets a copy.
 """
 
 from __future__ import annotations
