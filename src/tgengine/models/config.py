@@ -104,14 +104,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json`` (and ``generation_config.json`` if present), offline.
 
     Raises ``ModelLoadError`` with a one-line reason when the directory or its config is
-    missing or broken, or when the model type or a feature of it is not supported.
+    missing or broken, or when the model type or a feature of it is not supported. A config
+    parsed before from the same files is read from the cache (``config_cache``) instead.
     """
+    from tgengine.models import config_cache
     from tgengine.models.architectures import architecture_of, features
 
     path = Path(model_dir)
     name = str(model_dir)
     raw = _read_json(path, "config.json", required=True)
     architecture = architecture_of(raw, name)
+    cached = config_cache.lookup(path)
+    if cached is not None:
+        return replace(cached, model_dir=name)
     model_type = str(raw["model_type"])
     from transformers import AutoConfig
 
@@ -121,9 +126,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(name, f"cannot read config.json: {_one_line(exc)}") from exc
     try:
         base = _build(hf, model_type, path)
-        return replace(base, architecture=architecture, **features(hf, architecture, base))
+        config = replace(base, architecture=architecture, **features(hf, architecture, base))
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(name, f"config.json is incomplete: {_one_line(exc)}") from exc
+    config_cache.store(path, config)
+    return config
 
 
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
