@@ -120,7 +120,11 @@ def test_engine_options_reach_the_config(tiny_llama_dir: Path) -> None:
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     model = ["--model", str(tiny_llama_dir)]
-    assert engine_config(parser.parse_args(model)).prepack_weights is True
-    args = parser.parse_args([*model, "--no-prepack-weights", "--dtype", "bfloat16"])
+    default = engine_config(parser.parse_args(model))
+    assert default.prepack_weights is True and default.num_threads is None
+    args = parser.parse_args(
+        [*model, "--no-prepack-weights", "--dtype", "bfloat16", "--threads", "3"]
+    )
     config = engine_config(args)
     assert config.prepack_weights is False and config.dtype == "bfloat16"
+    assert config.num_threads == 3

@@ -41,6 +41,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: on)",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch threads on CPU (default: the count that ran a decode-like product "
+        "fastest when the engine started; see docs/engine.md)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -84,6 +91,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         prepack_weights=args.prepack_weights,
+        num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,
         ray_address=args.ray_address,
