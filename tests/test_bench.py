@@ -6,6 +6,7 @@ Speed is for reports, not tests: nothing here compares timings or ratios.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,27 @@ def test_moe_costs_count_the_chosen_experts(tiny_moe_dir: Path) -> None:
     assert config.moe is not None and config.moe.top_k < config.moe.num_experts
     stored = costs.num_params - costs.head_params
     assert costs.layer_matmul_params < stored  # 2 of 4 experts per token, not all
+
+
+def test_startup_times_fresh_cli_processes(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from process_helpers import child_pids
+
+    before = child_pids()
+    result = run_bench("startup", tiny_llama_dir, tmp_path, capsys=capsys)
+    assert child_pids() == before
+    (row,) = result["rows"]  # quick: one timed run (after one that warms the caches)
+    assert 0 < row["first_byte_s"] <= row["exit_s"]
+    assert result["summary"]["first_byte_median_s"] == row["first_byte_s"]
+    assert "--threads 1" in result["command"] and str(tiny_llama_dir) in result["command"]
+    args = build_parser().parse_args(["bench", "summary", str(tmp_path)])
+    assert args.handler(args) == 0
+    assert "first token of `generate`" in capsys.readouterr().out
+
+
+def test_a_failing_start_names_its_error(tmp_path: Path) -> None:
+    from tgengine.bench.startup import time_one_start
+
+    with pytest.raises(RuntimeError, match="failed \\(2\\)"):
+        time_one_start([sys.executable, "-m", "tgengine", "generate", "--no-such-option"], 60)

@@ -321,6 +321,17 @@ def _structured(result: dict[str, Any]) -> str:
     return f"{out}\ncompile ms: {compile_ms}\nconstrained requests ended with: {reasons}"
 
 
+def _startup(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"], [("run", "run"), ("first_byte_s", "first token s"), ("exit_s", "exit s")]
+    )
+    s = result["summary"]
+    return (
+        f"{out}\ncommand: {result['command']}\nfirst token: min {s['first_byte_min_s']:.2f} s, "
+        f"median {s['first_byte_median_s']:.2f} s, max {s['first_byte_max_s']:.2f} s"
+    )
+
+
 _RENDERERS = {
     "throughput": _throughput,
     "batch32": _batch32,
@@ -329,6 +340,7 @@ _RENDERERS = {
     "parity": _parity,
     "structured": _structured,
     "memory": _memory,
+    "startup": _startup,
 }
 
 
@@ -449,6 +461,14 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[0].legend()
         axes[1].barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
         axes[1].set_xlabel("batch-1 decode tokens/s")
+    elif kind == "startup":
+        runs = [str(r["run"]) for r in result["rows"]]
+        axes[0].bar(runs, [r["first_byte_s"] for r in result["rows"]], color="tab:blue")
+        axes[0].set_xlabel("run")
+        axes[0].set_ylabel("seconds to the first token")
+        axes[1].bar(runs, [r["exit_s"] for r in result["rows"]], color="tab:orange")
+        axes[1].set_xlabel("run")
+        axes[1].set_ylabel("seconds to exit")
     fig.suptitle(f"tgengine bench {kind}")
     line_h = text_in / height
     fig.tight_layout(rect=(0, line_h * len(ratios) + 0.01, 1, 1))

@@ -60,12 +60,14 @@ def _rows(kind: str, r: dict[str, Any]) -> list[dict[str, Any]]:
             d["rss_drift_bytes"] / _MIB,
             "MiB",
         )
+    elif kind == "startup":
+        add("first token of `generate`, warm (median)", r["summary"]["first_byte_median_s"], "s")
     return rows
 
 
 def summarize_dir(out_dir: str | Path) -> str:
     """The combined table of every ``<bench>.json`` in ``out_dir`` (parity first)."""
-    order = ["parity", "throughput", "batch32", "latency", "lifecycle"]
+    order = ["parity", "throughput", "batch32", "latency", "lifecycle", "startup"]
     rows: list[dict[str, Any]] = []
     machine = ""
     for kind in order:

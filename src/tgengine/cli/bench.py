@@ -258,6 +258,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt-len", type=int, help="default: 32")
     p.add_argument("--max-tokens", type=int, help="default: 32")
     p.set_defaults(handler=run, runner=_structured)
+    p = benches.add_parser(
+        "startup", help="time to the first token of `python -m tgengine generate`, warm"
+    )
+    _common(p)
+    p.add_argument("--runs", type=int, help="fresh processes timed (default: 3; quick: 1)")
+    p.add_argument("--max-tokens", type=int, help="default: 8")
+    p.set_defaults(handler=run, runner=_startup)
+
     p = benches.add_parser("memory", help="host memory of a synthetic 1B Llama: load, steady")
     _common(p)
     p.add_argument(
@@ -375,6 +383,18 @@ def _memory(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         systems=systems,
         decode_tokens=_pick(args.decode_tokens, 16, 4, args),
         peers=plan,
+    )
+
+
+def _startup(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.startup import run_startup
+
+    pinned = args.threads not in (None, "auto")  # auto: the engine measures, as by default
+    return run_startup(
+        setup,
+        runs=_pick(args.runs, 3, 1, args),
+        max_tokens=_pick(args.max_tokens, 8, 2, args),
+        threads=setup.threads if pinned else None,
     )
 
 
