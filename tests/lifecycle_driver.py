@@ -25,7 +25,7 @@ from anyio.from_thread import BlockingPortal
 
 from tgengine import Engine, EngineConfig, ProcessEngine, SamplingParams
 from tgengine._faults import FaultInjector
-from tgengine.block_manager import hash_block
+from tgengine.block_manager import BlockManager, hash_block
 from tgengine.request_stats import RequestStats
 
 from lifecycle_model import RequestModel
@@ -411,6 +411,43 @@ def unreachable_prefixes(bm: Any) -> list[tuple[int, ...]]:
         if len(bm._find_hits(prompt)) != len(chain):
             missed.append(tokens)
     return missed
+
+
+def checker_problems() -> list[str]:
+    """``BlockManager.check_invariants``, which the machine runs after every rule and step,
+    reports each kind of breakage with its message (a check that cannot fail is no check)."""
+
+    def ref(bm: BlockManager) -> None:
+        bm.blocks[0].ref_count = -1
+
+    def unfree(bm: BlockManager) -> None:
+        del bm._free[1]
+
+    def unregistered(bm: BlockManager) -> None:
+        bm.blocks[2].block_hash = 7
+
+    def stray(bm: BlockManager) -> None:
+        bm._hash_to_block[9] = 3
+
+    breakages = {
+        "block 0: ref -1, free True": ref,
+        "block 1: ref 0, free False; free + used != total": unfree,
+        "block 2: hash not registered to it": unregistered,
+        "hash table points to block 3 with another hash": stray,
+    }
+    problems = []
+    for want, breakage in breakages.items():
+        bm = BlockManager(4, 4)
+        bm.check_invariants()
+        breakage(bm)
+        try:
+            bm.check_invariants()
+        except RuntimeError as exc:
+            if str(exc) != f"block manager invariants broken: {want}":
+                problems.append(f"{breakage.__name__}: {exc}")
+            continue
+        problems.append(f"{breakage.__name__}: not reported")
+    return problems
 
 
 def read_dir_weights(model_dir: Path) -> list[tuple[str, Any]]:

@@ -160,6 +160,9 @@ class RequestModel:
     weights: str | None  # the weight set its tokens come from; None once they changed under it
     break_after: int | None
     held: bool
+    constraint: str | None = None  # structured outputs: a kind of structured_helpers.CASES
+    eos_ids: frozenset[int] = frozenset()  # the tokens that end a constrained request
+    logprobs: bool = False  # it asked for log probabilities, of its tokens and its prompt
     allowed: set[str] = field(default_factory=set)
     error_kinds: set[str] = field(default_factory=set)
     must_end: bool = False  # a call ended it: its terminal chunk is due now
@@ -177,7 +180,18 @@ class RequestModel:
         self.allowed |= self.natural_reasons()
 
     def natural_reasons(self) -> set[str]:
-        return {"length", "stop"} if self.stop_token is not None else {"length"}
+        return {"length", "stop"} if self.stop_ids() else {"length"}
+
+    def stop_ids(self) -> set[int]:
+        """The tokens that end it with "stop" (a constrained request: its EOS, the only
+        token a complete grammar allows)."""
+        stop = set() if self.stop_token is None else {self.stop_token}
+        return stop | set(self.eos_ids) if self.constraint is not None else stop
+
+    @property
+    def reference_key(self) -> Any:
+        """Its tokens' key in the machine's reference: the prompt, and the constraint."""
+        return self.prompt if self.constraint is None else (self.prompt, self.constraint)
 
     def may_end(self, reason: str, error_kind: str | None = None, *, now: bool = True) -> None:
         self.allowed.add(reason)
@@ -189,18 +203,18 @@ class RequestModel:
         if self.weights is not None and self.weights != new:
             self.weights = None
 
-    def natural_tokens(self, reference: dict[str, dict[int, list[int]]]) -> list[int] | None:
+    def natural_tokens(self, reference: dict[str, dict[Any, list[int]]]) -> list[int] | None:
         """The tokens an undisturbed run yields; None when the weights changed under it."""
         if self.weights is None:
             return None
-        tokens = reference[self.weights][self.prompt][: self.max_tokens]
-        if self.stop_token is not None and self.stop_token in tokens:
-            tokens = tokens[: tokens.index(self.stop_token) + 1]
-        return tokens
+        tokens = reference[self.weights][self.reference_key][: self.max_tokens]
+        stops = self.stop_ids()
+        ends = [i for i, t in enumerate(tokens) if t in stops]
+        return tokens[: ends[0] + 1] if ends else tokens
 
 
 def check_outcome(
-    req: RequestModel, reference: dict[str, dict[int, list[int]]], version: int
+    req: RequestModel, reference: dict[str, dict[Any, list[int]]], version: int
 ) -> None:
     """Assert that ``req``, which has ended, ended in a way its model allows."""
     chunks = req.chunks
@@ -210,7 +224,8 @@ def check_outcome(
     where = (
         f"{req.request_id} (allowed {sorted(req.allowed)}, errors {sorted(req.error_kinds)}, "
         f"weights {req.weights}, prompt {req.prompt}, max_tokens {req.max_tokens}, "
-        f"stop {req.stop_token}, tokens {tokens}, reasons {reasons}, engine {req.engine_reason})"
+        f"stop {req.stop_token}, constraint {req.constraint}, tokens {tokens}, "
+        f"reasons {reasons}, engine {req.engine_reason})"
     )
     assert all(c.request_id == req.request_id for c in chunks), where
     versions = [c.weight_version for c in chunks]
@@ -234,12 +249,12 @@ def check_outcome(
         assert len(last.token_ids) == 1, where
         if natural is not None:
             assert tokens == natural, (where, tokens, natural)
-            want = "stop" if natural[-1] == req.stop_token else "length"
+            want = "stop" if natural[-1] in req.stop_ids() else "length"
             assert last.finish_reason == want, (where, last.finish_reason, want)
         elif last.finish_reason == "length":
             assert len(tokens) == req.max_tokens, where
         else:
-            assert tokens[-1] == req.stop_token, where
+            assert tokens[-1] in req.stop_ids(), where
         return
     assert last.token_ids == [], (where, last)
     if natural is not None:

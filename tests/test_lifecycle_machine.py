@@ -19,6 +19,7 @@ nothing, so a derandomized run stays repeatable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -51,7 +52,13 @@ from tgengine import (
 )
 
 from engine_helpers import engine_threads, hf_greedy, tiny_config
-from lifecycle_driver import BOUND, EngineDriver, mp_executor_exists, read_dir_weights
+from lifecycle_driver import (
+    BOUND,
+    EngineDriver,
+    checker_problems,
+    mp_executor_exists,
+    read_dir_weights,
+)
 from lifecycle_model import (
     EngineModel,
     RequestModel,
@@ -59,11 +66,27 @@ from lifecycle_model import (
     check_outcome,
     death_error_text,
 )
+from lifecycle_sampling import (
+    CONSTRAINTS,
+    LOGPROBS,
+    PROMPT_LOGPROBS,
+    LogprobReference,
+    check_sampling,
+    constrained_greedy,
+    eos_ids,
+    grammar_error_text,
+    logprob_reference,
+    reject_grammar,
+)
 from process_helpers import child_pids
+from structured_helpers import CASES
 
 S = EngineState
 MAX_TOKENS = 32
-STEP_TIMEOUT = 1.0  # seconds: a tiny model's step takes milliseconds
+# seconds: a tiny model's step takes milliseconds, but a loaded machine may stall one for
+# long; the hang rule lowers it to HANG_TIMEOUT just before its step hangs
+STEP_TIMEOUT = BOUND
+HANG_TIMEOUT = 1.0
 # Few blocks (block_size 4; a request needs up to 12 at max_model_len): requests preempt each
 # other, and freed blocks, cached prefixes included, are soon reused for other content.
 NUM_BLOCKS = 12
@@ -76,6 +99,9 @@ PROMPTS = [
     [3, 3, 3, 3, 3, 3, 3, 3, 3, 9],
     [100, 200, 300],
 ]
+# Prompts that share no prefix with another: their requests always ask for log probabilities
+# of their tokens and their prompt (which bypasses the prefix cache; these lose nothing).
+LOGPROB_PROMPTS = (0, 5)
 EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_EXAMPLES", "10"))
 # with the engine, or its model, in another process: each engine started costs a process
 PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "1"))
@@ -116,11 +142,25 @@ def admission_error(engine: Any) -> Exception | None:
 
 
 @functools.lru_cache(maxsize=2)
-def reference(dir_a: str, dir_b: str) -> dict[str, dict[int, list[int]]]:
-    """transformers' greedy tokens of every prompt, for weight set A (on disk) and B."""
-    dirs = {"A": dir_a, "B": dir_b}
+def reference(dir_a: str, dir_b: str) -> dict[str, dict[Any, list[int]]]:
+    """transformers' greedy tokens of every prompt, for weight set A (on disk) and B; under
+    each constraint, keyed ``(prompt, constraint)``."""
+    ref: dict[str, dict[Any, list[int]]] = {}
+    for w, d in {"A": dir_a, "B": dir_b}.items():
+        ref[w] = {i: hf_greedy(d, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)}
+        for kind in CONSTRAINTS:
+            for i, p in enumerate(PROMPTS):
+                ref[w][i, kind] = constrained_greedy(d, p, kind, MAX_TOKENS)
+    return ref
+
+
+@functools.lru_cache(maxsize=2)
+def logprobs_reference(dir_a: str, dir_b: str) -> dict[str, dict[int, LogprobReference]]:
+    """transformers' log probabilities along every prompt and its greedy tokens, per set."""
+    greedy = reference(dir_a, dir_b)
     return {
-        w: {i: hf_greedy(d, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)} for w, d in dirs.items()
+        w: {i: logprob_reference(d, p, greedy[w][i]) for i, p in enumerate(PROMPTS)}
+        for w, d in {"A": dir_a, "B": dir_b}.items()
     }
 
 
@@ -168,6 +208,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.portal = self._portal_cm.__enter__()
         self.host, self.tg = self.portal.start_task(_host)
         self.reference = reference(str(self.dir_a), str(self.dir_b))
+        self.logprobs_reference = logprobs_reference(str(self.dir_a), str(self.dir_b))
+        assert not checker_problems(), checker_problems()  # the block check the machine uses
         self.weights = weight_sets(str(self.dir_a), str(self.dir_b))
         self.driver: EngineDriver | None = None
         self.model = EngineModel("reject")
@@ -217,19 +259,36 @@ class LifecycleMachine(RuleBasedStateMachine):
         stream must abort it at once)."""
         self.admit(prompt, MAX_TOKENS, None, after)
 
+    @rule(
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        max_tokens=st.integers(1, MAX_TOKENS),
+        sampling=st.sampled_from([*CONSTRAINTS, "logprobs"]),
+        break_after=st.none() | st.integers(1, 6),
+    )
+    def submit_sampling(
+        self, prompt: int, max_tokens: int, sampling: str, break_after: int | None
+    ) -> None:
+        """A request with structured outputs (its tokens: the greedy ones under the
+        constraint), or with log probabilities of its tokens and its prompt."""
+        self.admit(prompt, max_tokens, None, break_after, sampling)
+
     def admit(
         self,
         prompt: int,
         max_tokens: int,
         stop_at: int | None = None,
         break_after: int | None = None,
+        sampling: str | None = None,
     ) -> RequestModel | None:
+        """Submit a request. ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs"."""
         model = self.model
         want = model.admission_error()
         stop_token = None
+        constraint = sampling if sampling in CONSTRAINTS else None
+        logprobs = sampling == "logprobs" or (sampling is None and prompt in LOGPROB_PROMPTS)
         # the context ends a long request first: "length" at MAX_MODEL_LEN tokens in all
         produced = min(max_tokens, MAX_MODEL_LEN - len(PROMPTS[prompt]))
-        if stop_at is not None and stop_at < produced:
+        if stop_at is not None and stop_at < produced and constraint is None:
             stop_token = self.reference[model.weights][prompt][stop_at]
         req = RequestModel(
             request_id=f"m{next(self.ids)}",
@@ -240,12 +299,18 @@ class LifecycleMachine(RuleBasedStateMachine):
             weights=model.weights,
             break_after=break_after,
             held=model.holds_new_requests(),
+            constraint=constraint,
+            eos_ids=eos_ids(str(self.dir_a)) if constraint else frozenset(),
+            logprobs=logprobs,
         )
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,
-            ignore_eos=True,
+            ignore_eos=constraint is None,  # a complete grammar ends with EOS
             stop_token_ids=() if stop_token is None else (stop_token,),
+            structured_outputs=CASES[constraint] if constraint else None,
+            logprobs=LOGPROBS if req.logprobs else None,
+            prompt_logprobs=PROMPT_LOGPROBS if req.logprobs else None,
         )
         error = self.d.admit(self.tg, req, PROMPTS[prompt], params)
         if want is None:
@@ -556,6 +621,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         victim.may_end("error", cache_error_text(request_id), now=False)  # if it runs then
         self.d.wait_ended([victim])  # it may have been preempted, even more than once
 
+    @precondition(lambda self: self.model.state is S.RUNNING and self.d.inside)
+    @rule(pick=st.integers(0, 255))
+    def grammar_fault(self, pick: int) -> None:
+        """A constrained request's grammar rejects its next token (a token that escaped the
+        mask): it alone ends with that error; a constrained sibling ends undisturbed."""
+        victim = self.admit(pick % len(PROMPTS), MAX_TOKENS, sampling="regex")
+        self.admit((pick + 1) % len(PROMPTS), MAX_TOKENS, sampling="choice")
+        assert victim is not None
+        if self.d.run_sync(reject_grammar, self.d.engine, victim.request_id):
+            victim.may_end("error", grammar_error_text(), now=False)  # at its next sample
+        late = self.d.wait_ended([victim])
+        assert not late, f"a request whose grammar rejects it did not end: {late}"
+
     @precondition(
         lambda self: self.model.state is S.RUNNING and self.num_deaths < 2 and self.d.inside
     )
@@ -567,8 +645,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         def arm() -> None:
             if kind == "raise":
                 faults.raise_at[faults.num_steps + 1] = boom
-            else:
-                faults.hang_at.add(faults.num_steps + 1)
+            else:  # a short step_timeout from now on; the step that hangs starts after it
+                # (the next one may have taken its deadline already), and any step that
+                # stalls meanwhile is the very death this rule expects
+                loop = self.d.engine._loop
+                loop.config = dataclasses.replace(loop.config, step_timeout=HANG_TIMEOUT)
+                faults.hang_at.add(faults.num_steps + 2)
 
         self.d.run_sync(arm)
         self.admit(0, MAX_TOKENS)
@@ -637,6 +719,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             if req.done.is_set() and not req.checked:
                 check_outcome(req, self.reference, self.model.version)
                 self.check_text(req)
+                prompt = PROMPTS[req.prompt]
+                check_sampling(req, prompt, str(self.dir_a), self.logprobs_reference)
                 req.checked = True
 
     def check_text(self, req: RequestModel) -> None:
