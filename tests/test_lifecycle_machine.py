@@ -446,15 +446,26 @@ class LifecycleMachine(RuleBasedStateMachine):
     def deep_sleep_cycle(self, mode: str, weights_first: bool) -> None:
         """A whole level-2 cycle with a request on: sleep, wake the weights (reloaded from
         disk: a new ``weight_version``) and the KV cache one at a time, in either order,
-        checking the engine between the steps. Random rule draws seldom put a weights
-        wakeup after a level-2 sleep; this rule always does, with fixed sub-steps (no draws
-        depend on the engine)."""
+        checking the engine between the steps; on the way, an update refused while the
+        weights sleep, a level-1 sleep after the first wakeup (it releases that memory
+        again), and, weights first, new weights before the KV cache wakes (the RL cycle).
+        Random rule draws seldom reach these; this rule always does, with fixed sub-steps
+        (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
         self.check_engine()
-        order = (["weights"], ["kv_cache"]) if weights_first else (["kv_cache"], ["weights"])
-        for tags in order:
-            self.wakeup(tags, busy=True)
-            self.check_engine()
+        self.update_weights("B")  # refused while the weights sleep
+        first, second = (
+            (["weights"], ["kv_cache"]) if weights_first else (["kv_cache"], ["weights"])
+        )
+        self.wakeup(first, busy=True)
+        self.check_engine()
+        self.sleep(1, mode)  # after a partial wakeup: releases what was woken again
+        self.check_engine()
+        self.wakeup(first, busy=True)
+        if weights_first:
+            self.update_weights("B")  # the RL cycle: new weights before the KV cache wakes
+        self.wakeup(second, busy=True)
+        self.check_engine()
 
     def weights_are(self, weights: str) -> None:
         for req in self.live():
