@@ -203,18 +203,20 @@ class RequestModel:
         if self.weights is not None and self.weights != new:
             self.weights = None
 
-    def natural_tokens(self, reference: dict[str, dict[Any, list[int]]]) -> list[int] | None:
-        """The tokens an undisturbed run yields; None when the weights changed under it."""
-        if self.weights is None:
+    def natural_tokens(self, reference: dict[str, dict[Any, list[int] | None]]) -> list[int] | None:
+        """The tokens an undisturbed run yields; None when the weights changed under it (or
+        the reference has none: a near-tie)."""
+        ref = reference[self.weights][self.reference_key] if self.weights is not None else None
+        if ref is None:
             return None
-        tokens = reference[self.weights][self.reference_key][: self.max_tokens]
+        tokens = ref[: self.max_tokens]
         stops = self.stop_ids()
         ends = [i for i, t in enumerate(tokens) if t in stops]
         return tokens[: ends[0] + 1] if ends else tokens
 
 
 def check_outcome(
-    req: RequestModel, reference: dict[str, dict[Any, list[int]]], version: int
+    req: RequestModel, reference: dict[str, dict[Any, list[int] | None]], version: int
 ) -> None:
     """Assert that ``req``, which has ended, ended in a way its model allows."""
     chunks = req.chunks

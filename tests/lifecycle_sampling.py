@@ -35,6 +35,9 @@ LOGPROBS = 2  # alternatives per generated token
 PROMPT_LOGPROBS = 1
 TOLERANCE = 1e-3  # float32, batched and chunked differently from transformers
 GRAMMAR_FAULT = "injected fault"
+# a constrained reference whose top two allowed logits come closer than this somewhere is
+# not used (batching may flip such a near-tie); the free prompts' margins are >= 0.0025
+MIN_MARGIN = 0.002
 
 
 def grammar_error_text() -> str:
@@ -66,8 +69,11 @@ def allowed(bitmask: npt.NDArray[np.int32], vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits.astype(bool))
 
 
-def constrained_greedy(model_dir: str, prompt: list[int], kind: str, max_new: int) -> list[int]:
-    """transformers' greedy tokens under ``CASES[kind]``, up to and with the EOS that ends it."""
+def constrained_greedy(
+    model_dir: str, prompt: list[int], kind: str, max_new: int
+) -> list[int] | None:
+    """transformers' greedy tokens under ``CASES[kind]``, up to and with the EOS that ends
+    it; None where two allowed tokens come within ``MIN_MARGIN`` (no reliable reference)."""
     model, grammar = _hf_model(model_dir), matcher(model_dir, kind)
     vocab_size = load_model_config(model_dir).vocab_size
     bitmask = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
@@ -78,6 +84,9 @@ def constrained_greedy(model_dir: str, prompt: list[int], kind: str, max_new: in
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + tokens])).logits[0, -1, :vocab_size].float()
             logits = logits.masked_fill(~allowed(bitmask[0], vocab_size), float("-inf"))
+        best, second = logits.topk(2).values.tolist()
+        if best - second < MIN_MARGIN:
+            return None
         tokens.append(int(logits.argmax()))
     return tokens
 

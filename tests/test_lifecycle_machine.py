@@ -142,10 +142,10 @@ def admission_error(engine: Any) -> Exception | None:
 
 
 @functools.lru_cache(maxsize=2)
-def reference(dir_a: str, dir_b: str) -> dict[str, dict[Any, list[int]]]:
+def reference(dir_a: str, dir_b: str) -> dict[str, dict[Any, list[int] | None]]:
     """transformers' greedy tokens of every prompt, for weight set A (on disk) and B; under
-    each constraint, keyed ``(prompt, constraint)``."""
-    ref: dict[str, dict[Any, list[int]]] = {}
+    each constraint, keyed ``(prompt, constraint)`` (None: a near-tie, no reference)."""
+    ref: dict[str, dict[Any, list[int] | None]] = {}
     for w, d in {"A": dir_a, "B": dir_b}.items():
         ref[w] = {i: hf_greedy(d, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)}
         for kind in CONSTRAINTS:
@@ -157,9 +157,8 @@ def reference(dir_a: str, dir_b: str) -> dict[str, dict[Any, list[int]]]:
 @functools.lru_cache(maxsize=2)
 def logprobs_reference(dir_a: str, dir_b: str) -> dict[str, dict[int, LogprobReference]]:
     """transformers' log probabilities along every prompt and its greedy tokens, per set."""
-    greedy = reference(dir_a, dir_b)
     return {
-        w: {i: logprob_reference(d, p, greedy[w][i]) for i, p in enumerate(PROMPTS)}
+        w: {i: logprob_reference(d, p, hf_greedy(d, p, MAX_TOKENS)) for i, p in enumerate(PROMPTS)}
         for w, d in {"A": dir_a, "B": dir_b}.items()
     }
 
@@ -289,7 +288,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         # the context ends a long request first: "length" at MAX_MODEL_LEN tokens in all
         produced = min(max_tokens, MAX_MODEL_LEN - len(PROMPTS[prompt]))
         if stop_at is not None and stop_at < produced and constraint is None:
-            stop_token = self.reference[model.weights][prompt][stop_at]
+            free = self.reference[model.weights][prompt]
+            assert free is not None  # only constrained references may be missing
+            stop_token = free[stop_at]
         req = RequestModel(
             request_id=f"m{next(self.ids)}",
             engine_no=self.d.number,
