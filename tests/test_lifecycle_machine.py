@@ -2,12 +2,15 @@
 
 Rules drive every lifecycle call and fault (generate, break off, cancel, abort, pause,
 resume, sleep, wakeup, update_weights valid and invalid, stop with a grace, a step that
-raises or hangs, one request's cache error), on asyncio and on trio. A model
-(``lifecycle_model``) says how every request must end and what the engine's state must
-be; after every rule the machine checks the state, the memory, the block accounting and
-the counters, and checks each ended request against its model: its finish reason, its
-error, its tokens against transformers' greedy reference for the weights it ran on, and
-its streamed text against one decoding of its tokens. A few scenario rules make fixed
+raises or hangs, one request's cache error, one constrained request's grammar rejecting
+it), on asyncio and on trio; requests may carry structured outputs or ask for log
+probabilities. A model (``lifecycle_model``) says how every request must end and what the
+engine's state must be; after every rule the machine checks the state, the memory, the
+block accounting and the counters, and checks each ended request against its model: its
+finish reason, its error, its tokens against transformers' greedy reference for the
+weights it ran on (under its constraint, if any), its streamed text against one decoding
+of its tokens, and its log probabilities against transformers' (``lifecycle_sampling``).
+A few scenario rules make fixed
 sequences that random draws seldom reach (a level-2 sleep/wakeup cycle, a stop while a
 request is held, an update after a request cached its prefixes); their sub-steps draw
 nothing, so a derandomized run stays repeatable.
@@ -504,12 +507,15 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.state is S.RUNNING)
     @rule(weights=st.sampled_from(["A", "B"]))
     def update_after_a_request(self, weights: str) -> None:
-        """A short request ends (its full blocks stay cached as prefixes), then the weights
-        change: those prefixes, computed with the old weights, must go at once."""
+        """A short request ends (its full blocks stay cached as prefixes), then an invalid
+        update changes nothing (``weight_version`` included), then the weights change:
+        those prefixes, computed with the old weights, must go at once."""
         req = self.admit(1, 1)
         assert req is not None
         late = self.d.wait_ended([req])
         assert not late, f"a one-token request did not end: {late}"
+        self.update_weights("wrong dtype")
+        self.check_engine()
         self.update_weights(weights)
 
     @precondition(lambda self: self.model.alive)
