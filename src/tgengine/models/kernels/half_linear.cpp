@@ -39,6 +39,35 @@ inline void put(float* out, float v, int dtype) {
   *out = half_to_float(float_to_half(v, dtype), dtype);
 }
 
+// Eight outputs at once, rounded as ``put`` rounds each (the same round-to-nearest-even).
+template <int Dtype>
+inline void put8(uint16_t* out, __m256 v) {
+  __m128i bits;
+  if constexpr (Dtype == kF16) {
+    bits = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    bits = tg::bf16_bits8(v);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bits);
+}
+template <int Dtype>
+inline void put8(float* out, __m256 v) {
+  if constexpr (Dtype == kF16) {
+    _mm256_storeu_ps(out, tg::round8<_Float16>(v));
+  } else {
+    _mm256_storeu_ps(out, tg::round8<uint16_t>(v));
+  }
+}
+
+// Out[c] = v[c] + bias[c] (bias may be null) for 8 * count columns from n0, rounded.
+template <int Dtype, typename Out>
+inline void put_columns(Out* out, const __m256* v, int count, const float* bias, int64_t n0) {
+  for (int j = 0; j < count; ++j) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * j) : _mm256_setzero_ps();
+    put8<Dtype>(out + n0 + 8 * j, _mm256_add_ps(v[j], b));
+  }
+}
+
 template <int Dtype>
 inline __m256 widen8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -176,11 +205,15 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
   alignas(32) float rows[6][kPanel];
   const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
                             {a30, a31}, {a40, a41}, {a50, a51}};
+  const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
+  if (width == kPanel) {
+    for (int r = 0; r < MR; ++r) put_columns<Dtype>(out + r * n, acc[r], 2, bias, n0);
+    return;
+  }
   for (int r = 0; r < MR; ++r) {
     _mm256_store_ps(rows[r], acc[r][0]);
     _mm256_store_ps(rows[r] + 8, acc[r][1]);
   }
-  const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < width; ++c)
       put(out + r * n + n0 + c, rows[r][c] + (bias ? bias[n0 + c] : 0.f), Dtype);
@@ -220,12 +253,15 @@ inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int
     c0 = _mm256_fmadd_ps(xv, widen8<Dtype>(second + i * kPanel), c0);
     c1 = _mm256_fmadd_ps(xv, widen8<Dtype>(second + i * kPanel + 8), c1);
   }
-  alignas(32) float row[2 * kPanel];
-  _mm256_store_ps(row, _mm256_add_ps(a0, b0));
-  _mm256_store_ps(row + 8, _mm256_add_ps(a1, b1));
-  _mm256_store_ps(row + 16, _mm256_add_ps(c0, d0));
-  _mm256_store_ps(row + 24, _mm256_add_ps(c1, d1));
+  const __m256 sums[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(c0, d0),
+                          _mm256_add_ps(c1, d1)};
   const int64_t width = n - n0 < panels * kPanel ? n - n0 : panels * kPanel;
+  if (width == panels * kPanel) {
+    put_columns<Dtype>(out, sums, 2 * panels, bias, n0);
+    return;
+  }
+  alignas(32) float row[2 * kPanel];
+  for (int j = 0; j < 4; ++j) _mm256_store_ps(row + 8 * j, sums[j]);
   for (int64_t c = 0; c < width; ++c)
     put(out + n0 + c, row[c] + (bias ? bias[n0 + c] : 0.f), Dtype);
 }
