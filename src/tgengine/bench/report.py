@@ -271,7 +271,8 @@ def _memory(result: dict[str, Any]) -> str:
     if "peak_over_steady" in s:
         out += (
             f"; tgengine steady RSS - (weights + KV cache) = "
-            f"{s['steady_over_weights_and_kv_bytes'] / _MIB:.0f} MiB; "
+            f"{s['steady_over_weights_and_kv_bytes'] / _MIB:.0f} MiB (the KV cache at its "
+            "full size; on CPU only the blocks sequences wrote are resident); "
             f"peak / steady = {s['peak_over_steady']:.3f}"
         )
     for r in result["rows"]:
