@@ -29,6 +29,7 @@ ENGINE_OPTIONS: dict[tuple[str, ...], tuple[str, str, Any]] = {
     ("--max-model-len", "64"): ("engine", "max_model_len", 64),
     ("--no-prepack-weights",): ("engine", "prepack_weights", False),
     ("--prepack-weights",): ("engine", "prepack_weights", True),  # the default, said aloud
+    ("--quantization", "int8"): ("engine", "quantization", "int8"),
     ("--threads", "3"): ("engine", "num_threads", 3),
     ("--tensor-parallel-size", "2"): ("engine", "tensor_parallel_size", 2),
     ("--executor", "mp"): ("engine", "executor", "mp"),

@@ -23,7 +23,8 @@ def examples() -> list[tuple[str, str]]:
 
 
 def test_each_capability_page_has_asyncio_and_trio_examples() -> None:
-    for page in ("engine.md", "lifecycle.md", "sampling.md", "structured-outputs.md"):
+    pages = ("engine.md", "lifecycle.md", "sampling.md", "structured-outputs.md", "quantization.md")
+    for page in pages:
         code = "".join(c for name, c in examples() if name.startswith(page))
         assert 'backend="asyncio"' in code and 'backend="trio"' in code, page
 

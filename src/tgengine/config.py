@@ -7,6 +7,7 @@ from typing import Literal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray")
+QUANTIZATIONS = ("int8",)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -21,6 +22,9 @@ class EngineConfig:
     candidate; see ``cpu_threads``). ``prepack_weights``: on
     CPU, where oneDNN packs the dtype, replace each linear weight by its packed form
     (faster products; still one copy of the weights, see docs/engine.md).
+    ``quantization``: ``"int8"`` quantizes the linear weights of a bf16/fp16 model on CPU
+    to int8, one scale per output row (weight-only: activations and the KV cache keep the
+    dtype; half the bytes per decode step; needs ``prepack_weights``). See docs/quantization.md.
 
     ``tensor_parallel_size`` ranks each hold a shard of the model; ``executor`` runs them:
     ``"uni"`` (one rank, in this process), ``"mp"`` (one worker process per rank) or
@@ -48,6 +52,7 @@ class EngineConfig:
     tokenizer: str | None = None
     num_threads: int | None = None
     prepack_weights: bool = True
+    quantization: Literal["int8"] | None = None
     tensor_parallel_size: int = 1
     executor: Literal["uni", "mp", "ray"] | None = None
     ray_address: str | None = None
@@ -75,6 +80,14 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization: must be one of {QUANTIZATIONS} or None, "
+                    f"got {self.quantization!r}"
+                )
+            if not self.prepack_weights:
+                raise ValueError("quantization: int8 weights are packed; needs prepack_weights")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.executor is not None and self.executor not in EXECUTORS:
             raise ValueError(f"executor: must be one of {EXECUTORS} or None, got {self.executor!r}")

@@ -34,6 +34,7 @@ from .models import (
     resolve_dtype,
     weight_specs,
 )
+from .models.gemm import can_pack_panels
 from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
 from .parallel import ParallelContext, local_cuda
 from .sampler import Sampler
@@ -204,6 +205,12 @@ class ModelAgent:
             torch.set_num_threads(cfg.num_threads or self._default_threads(dtype))
         if device.type == "cpu":
             kernels.load()  # built once per machine; at start-up, not in the first step
+        if cfg.quantization is not None and not (device.type == "cpu" and can_pack_panels(dtype)):
+            reason = (
+                f"quantization={cfg.quantization!r} runs bfloat16/float16 models on a CPU with "
+                f"AVX2 and tgengine's kernels (here: {dtype} on {device})"
+            )
+            raise ModelLoadError(cfg.model, reason)
         self._prepared = (model_config, dtype, device)
 
     def _load(self) -> AgentInfo:
@@ -215,6 +222,7 @@ class ModelAgent:
         eos = frozenset(model_config.eos_token_ids)
         self._sampler = Sampler(seed=cfg.seed, processors=default_processors(eos))
         self._model.gemm.prepack = cfg.prepack_weights
+        self._model.gemm.quantization = cfg.quantization
         pack_weights(self._model)
         self._weights_resident = True
         self._specs = weight_specs(self._model)

@@ -34,6 +34,7 @@ class BenchSetup:
     tensor_parallel_size: int = 1
     executor: str | None = None  # EngineConfig.executor: None picks by the size
     ray_address: str | None = None
+    quantization: str | None = None  # EngineConfig.quantization (tgengine's runs)
 
     @staticmethod
     def resolve(
@@ -48,6 +49,7 @@ class BenchSetup:
         tensor_parallel_size: int = 1,
         executor: str | None = None,
         ray_address: str | None = None,
+        quantization: str | None = None,
     ) -> BenchSetup:
         """Pick the device (``auto``: CUDA when present) and, on CPU, the thread count."""
         if dtype not in _DTYPES:
@@ -71,6 +73,7 @@ class BenchSetup:
             tensor_parallel_size,
             executor,
             ray_address,
+            quantization,
         )
 
     @property
@@ -114,6 +117,7 @@ class BenchSetup:
             "kv_cache_memory": self.kv_cache_memory,
             "tensor_parallel_size": self.tensor_parallel_size,
             "executor": self.executor_kind,
+            "quantization": self.quantization,
         }
 
 

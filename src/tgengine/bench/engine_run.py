@@ -32,6 +32,7 @@ def engine_config(setup: BenchSetup, dtype: str | None = None) -> EngineConfig:
         tensor_parallel_size=setup.tensor_parallel_size,
         executor=setup.executor,  # type: ignore[arg-type]
         ray_address=setup.ray_address,
+        quantization=setup.quantization,  # type: ignore[arg-type]
     )
 
 

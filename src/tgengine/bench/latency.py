@@ -147,7 +147,7 @@ def run_latency(
         seed + 100,
     )
     limits = setup.measure_machine()
-    costs = ModelCosts.of(mc, setup.torch_dtype)
+    costs = ModelCosts.of(mc, setup.torch_dtype, setup.quantization)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"bench": "latency"}
     if "tgengine" in systems:

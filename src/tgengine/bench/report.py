@@ -87,7 +87,12 @@ def render(result: dict[str, Any]) -> str:
         )
     setup = result.get("setup")
     if setup:
-        lines.append(f"setup: {setup['dtype']} on {setup['device']}, threads {setup['threads']}")
+        quantized = (
+            f", tgengine weights {setup['quantization']}" if setup.get("quantization") else ""
+        )
+        lines.append(
+            f"setup: {setup['dtype']} on {setup['device']}, threads {setup['threads']}{quantized}"
+        )
     workload = result.get("workload")
     if workload:
         lines.append("workload: " + ", ".join(f"{k}={v}" for k, v in workload.items()))

@@ -142,7 +142,8 @@ class ModelCosts:
     attention_flops_per_key: int  # FLOPs of one (query, key) pair, all layers
 
     @staticmethod
-    def of(config: ModelConfig, dtype: torch.dtype) -> ModelCosts:
+    def of(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> ModelCosts:
+        """``quantization="int8"``: the matrix weights (layers and head) take a byte each."""
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
         bias = (q + 2 * kv) if config.attention_bias else 0
@@ -162,11 +163,12 @@ class ModelCosts:
         head = config.vocab_size * h
         embed = 0 if config.tie_word_embeddings else config.vocab_size * h
         element = torch.empty((), dtype=dtype).element_size()
+        matrix = 1 if quantization == "int8" else element
         return ModelCosts(
             num_params=layers + config.num_layers * bias + norms + head + embed,
             layer_matmul_params=active,
             head_params=head,
-            weight_bytes=(layers + config.num_layers * bias + norms + head) * element,
+            weight_bytes=(layers + head) * matrix + (config.num_layers * bias + norms) * element,
             kv_bytes_per_token=config.num_layers * 2 * kv * element,
             attention_flops_per_key=config.num_layers * 4 * q,
         )

@@ -98,7 +98,7 @@ def run_throughput(
     requests = make_workload(spec, mc.vocab_size, mc.max_position_embeddings)
     info = summarize(requests)
     limits = setup.measure_machine()
-    costs = ModelCosts.of(mc, setup.torch_dtype)
+    costs = ModelCosts.of(mc, setup.torch_dtype, setup.quantization)
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     control: dict[str, Any] | None = None
@@ -261,7 +261,7 @@ def run_batch32(
     prompt_len = max(1, min(prompt_len, mc.max_position_embeddings - max_tokens - 1))
     batch = fixed_workload(num_requests, prompt_len, max_tokens, mc.vocab_size, seed)
     limits = setup.measure_machine()
-    costs = ModelCosts.of(mc, setup.torch_dtype)
+    costs = ModelCosts.of(mc, setup.torch_dtype, setup.quantization)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"bench": "batch32"}
     if "tgengine" in systems:

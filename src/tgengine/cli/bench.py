@@ -171,6 +171,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "control plane's cost per step",
     )
     parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster (--executor ray)")
+    parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        help="tgengine's weights as int8 (EngineConfig.quantization; its memory floor counts "
+        "a byte per matrix weight); default: none",
+    )
     parser.add_argument("--out", metavar="DIR", help="write JSON, text and a PNG chart here")
     parser.add_argument(
         "--quick",
@@ -435,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             executor=args.executor,
             ray_address=args.ray_address,
+            quantization=args.quantization,
         )
         result = with_machine(setup, runner(setup, args))
     except (TGEngineError, PeerSpecError) as exc:

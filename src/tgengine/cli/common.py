@@ -41,6 +41,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: on)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        help="int8: the linear weights of a bf16/fp16 model on CPU as int8, one scale per "
+        "output row (weight-only; docs/quantization.md); default: none",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         metavar="N",
@@ -91,6 +97,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         prepack_weights=args.prepack_weights,
+        quantization=args.quantization,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,

@@ -2,7 +2,7 @@
 
 A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
 norm, a dense MLP with SiLU or GELU-tanh, its four products packed into panels (bf16/fp16 on
-AVX2), one rank. The step qualifies when every row is a decode row attended by the paged
+AVX2, or int8), one rank. The step qualifies when every row is a decode row attended by the paged
 kernel (``CausalLM.forward`` decides, per step). Anything else takes the layer's forward.
 """
 
@@ -47,6 +47,7 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
         sources=sources,
         dtype=dtype,
         weights=[p.data for p in panels],
+        scales=[p.scales for p in panels],
         qkv_bias=bias,
         norms=[n.weight for n in norms],
         eps=norms[0].eps,
@@ -69,7 +70,11 @@ def _key(sources: tuple[object, ...]) -> tuple[int | None, ...]:
     for source in sources:
         if isinstance(source, LinearWeights):
             packed = source.packed
-            key.append(packed.data.data_ptr() if isinstance(packed, Panels) else None)
+            if isinstance(packed, Panels):
+                scales = packed.scales
+                key += [packed.data.data_ptr(), None if scales is None else scales.data_ptr()]
+            else:
+                key.append(None)
         else:  # a module: its parameters' dict, without nn.Module's slow attribute lookup
             params = source._parameters  # type: ignore[attr-defined]
             for name in ("weight", "bias"):

@@ -11,6 +11,11 @@ blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
   widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
   below). Every row count runs on it. ``Gemm.unpack`` gives the plain form back, exactly
   (``to_dense``), before anything writes into the parameters.
+- **int8 panels** (``Gemm.quantization == "int8"``, bf16/fp16 on CPU): weight-only
+  quantization, each output row of the weight rounded to int8 with its own float32 scale
+  (``kernels.quantize_panels``), half the bytes of bf16 panels; the same kernel widens the
+  int8 values and scales the sums. ``unpack`` gives the dequantized weight back (not the
+  original: an update writes the parameters and quantizes them again).
 - **plain**: the parameters themselves. Up to ``HALF_KERNEL_MAX_ROWS`` rows in bf16/fp16
   (decode of a few sequences) run tgengine's own kernel (``kernels.half_linear``: the weight
   widened to float32 in registers, one pass over it for every 4 rows; 2.5-4x ATen's GEMV
@@ -70,22 +75,41 @@ def can_pack_panels(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class Panels:
-    """A bf16/fp16 weight of ``rows`` rows packed by ``kernels.pack_panels``."""
+    """A bf16/fp16 weight of ``rows`` rows packed by ``kernels.pack_panels``, or (``scales``
+    set) quantized to int8 panels by ``kernels.quantize_panels`` from a ``dtype`` weight."""
 
     data: torch.Tensor
     rows: int
+    scales: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
 
     def to_dense(self) -> torch.Tensor:
-        return kernels.unpack_panels(self.data, self.rows)
+        """The plain weight: exact for half-precision panels, dequantized for int8 ones."""
+        if self.scales is None:
+            return kernels.unpack_panels(self.data, self.rows)
+        rows = torch.arange(self.rows)
+        return kernels.dequantize_rows(self.data, self.scales, rows).to(self.dtype)
 
     def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, ``[len(ids), k]`` (an embedding lookup)."""
-        return self.data[ids // kernels.PANEL, :, ids % kernels.PANEL]
+        if self.scales is None:
+            return self.data[ids // kernels.PANEL, :, ids % kernels.PANEL]
+        return kernels.dequantize_rows(self.data, self.scales, ids).to(self.dtype)
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None, *, float_output: bool = False
+    ) -> torch.Tensor:
+        return kernels.panel_linear(
+            x, self.data, self.rows, bias, float_output=float_output, scales=self.scales
+        )
 
 
 def _nbytes(packed: torch.Tensor | Panels) -> int:
-    data = packed.data if isinstance(packed, Panels) else packed
-    return data.numel() * data.element_size()
+    if isinstance(packed, Panels):
+        scales = packed.scales
+        extra = 0 if scales is None else scales.numel() * scales.element_size()
+        return packed.data.numel() * packed.data.element_size() + extra
+    return packed.numel() * packed.element_size()
 
 
 class LinearWeights:
@@ -121,10 +145,12 @@ class LinearWeights:
 
 
 class Gemm:
-    """Linear products for one model; ``prepack`` (default off) lets ``pack`` pack weights."""
+    """Linear products for one model; ``prepack`` (default off) lets ``pack`` pack weights,
+    ``quantization`` ``"int8"`` packs them as int8 panels instead."""
 
     def __init__(self) -> None:
         self.prepack = False
+        self.quantization: str | None = None
         # A running total, so that other threads read it while the worker packs or unpacks.
         self.packed_bytes = 0
         """Host memory the packed weights take (the plain ones they replaced are freed)."""
@@ -140,13 +166,12 @@ class Gemm:
         """``F.linear(x, weight, bias)``; ``float_output``: as float32 (its ``.float()``)."""
         if float_output:
             if isinstance(weight, LinearWeights) and isinstance(weight.packed, Panels):
-                panels = weight.packed
-                return kernels.panel_linear(x, panels.data, panels.rows, bias, float_output=True)
+                return weight.packed.linear(x, bias, float_output=True)
             return self.linear(x, weight, bias).float()
         if isinstance(weight, LinearWeights):
             packed = weight.packed
             if isinstance(packed, Panels):
-                return kernels.panel_linear(x, packed.data, packed.rows, bias)
+                return packed.linear(x, bias)
             if packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
             weight = weight.plain()
@@ -172,6 +197,8 @@ class Gemm:
 
     def can_pack(self, weights: LinearWeights) -> bool:
         dtype = weights.dtype
+        if self.quantization == "int8":
+            return self.prepack and weights.device.type == "cpu" and can_pack_panels(dtype)
         onednn = can_prepack(dtype) and not weights.rows_read
         return self.prepack and weights.device.type == "cpu" and (onednn or can_pack_panels(dtype))
 
@@ -185,7 +212,10 @@ class Gemm:
         packed: torch.Tensor | Panels
         with torch.inference_mode(False), torch.no_grad():
             plain = weights.plain().detach()
-            if can_prepack(plain.dtype) and not weights.rows_read:
+            if self.quantization == "int8":
+                data, scales = kernels.quantize_panels(plain)
+                packed = Panels(data, int(plain.shape[0]), scales, plain.dtype)
+            elif can_prepack(plain.dtype) and not weights.rows_read:
                 packed = torch.ops.mkldnn._reorder_linear_weight(plain)
             else:
                 packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))
@@ -196,7 +226,8 @@ class Gemm:
         self.packed_bytes += _nbytes(packed)
 
     def unpack(self, weights: LinearWeights) -> None:
-        """Give the parameters their plain values back (exact) and drop the packed form."""
+        """Give the parameters their plain values back (exact; int8 panels: dequantized) and
+        drop the packed form."""
         packed = weights.packed
         if packed is None:
             return

@@ -3,7 +3,8 @@
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
 ``paged_attention.cpp``); ``half_linear`` and ``panel_linear`` run linear products on
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
-the latter on a weight packed once into 16-row panels (``pack_panels``); ``elementwise``
+the latter on a weight packed once into 16-row panels (``pack_panels``, or ``quantize_panels``:
+int8 with a float32 scale per output row, weight-only quantization); ``elementwise``
 fuses each layer's element-wise work (``elementwise.cpp``); ``decode_layer`` runs a whole
 layer of a decode step in one call (``decode_layer.cpp``). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
@@ -83,6 +84,10 @@ def load() -> ctypes.CDLL | None:
     for fn in (lib.tg_half_linear, lib.tg_panel_linear, lib.tg_panel_linear_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    fn = lib.tg_panel_linear_q8
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    fn.argtypes += [ctypes.c_int]
     lib.tg_half_linear_available.restype = ctypes.c_int
     fn = lib.tg_add_rms_norm
     fn.restype = ctypes.c_int
@@ -252,6 +257,30 @@ def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(num_panels * width, k)[:rows].contiguous()
 
 
+INT8_MAX = 127
+
+
+def quantize_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[n, k]`` quantized to int8, one float32 scale per output row (symmetric:
+    ``scale = max |row| / 127``, values rounded to nearest), packed as ``pack_panels`` packs.
+
+    Returns ``(panels, scales)``; ``scales`` has one entry per panel row (zero past ``n``).
+    """
+    w = weight.float()
+    scales = w.abs().amax(dim=1) / INT8_MAX
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = torch.round(w / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    panels = pack_panels(quantized)
+    padded = torch.zeros(panels.shape[0] * PANEL, dtype=torch.float32)
+    padded[: scales.shape[0]] = scales
+    return panels, padded
+
+
+def dequantize_rows(panels: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an int8 panel weight as float32 (``q * scale``), ``[len(ids), k]``."""
+    return panels[ids // PANEL, :, ids % PANEL].float() * scales[ids][:, None]
+
+
 def panel_linear(
     x: torch.Tensor,
     panels: torch.Tensor,
@@ -259,16 +288,56 @@ def panel_linear(
     bias: torch.Tensor | None,
     *,
     float_output: bool = False,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``panels = pack_panels(weight)`` of ``rows`` rows.
 
     Any number of rows of ``x``; summed in float32 and rounded once, as ``half_linear``.
     ``float_output``: the same values stored as float32 (the result's ``.float()``, without
-    a second pass over it: logits).
+    a second pass over it: logits). ``scales``: the panels are ``quantize_panels``' int8
+    ones, and these their row scales (``x``'s dtype is then bf16 or fp16).
     """
+    if scales is not None:
+        return _int8_product(x, panels, scales, rows, bias, float_output)
     if float_output:
         return _half_product("tg_panel_linear_f32", x, panels, rows, bias, torch.float32)
     return _half_product("tg_panel_linear", x, panels, rows, bias)
+
+
+def _int8_product(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    float_output: bool,
+) -> torch.Tensor:
+    lib = load()
+    if lib is None or x.dtype not in HALF_LINEAR_DTYPES or panels.dtype != torch.int8:
+        raise RuntimeError("tg_panel_linear_q8 called where the kernel does not apply")
+    if not (panels.is_contiguous() and scales.is_contiguous()) or scales.dtype != torch.float32:
+        raise RuntimeError("tg_panel_linear_q8: contiguous panels and float32 scales")
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32 if float_output else x.dtype)
+    status = lib.tg_panel_linear_q8(
+        _DTYPES[x.dtype],
+        x.data_ptr(),
+        m,
+        k,
+        panels.data_ptr(),
+        scales.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+        int(float_output),
+    )
+    if status != 0:
+        raise RuntimeError(f"tg_panel_linear_q8 refused the shapes (status {status})")
+    return out
 
 
 def _half_product(

@@ -9,7 +9,7 @@
 //   o = a @ Wo.T; h = norm(residual += o)
 //   out = (act(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 // For the common layer only: pre-norms, no per-head q/k norm, a dense gated MLP, weights
-// packed into panels, one rank. Compiled with the other kernels by tgengine.models.kernels.
+// packed into panels (bf16/fp16, or int8 with row scales), one rank. Compiled with the other kernels by tgengine.models.kernels.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -19,6 +19,9 @@ int tg_add_rms_norm(int dtype, void* x, void* residual, const void* weight, int6
                     int64_t size, float eps, int unit_offset, void* out, int threads);
 int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
                     int64_t n, const void* bias, void* out, int threads);
+int tg_panel_linear_q8(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
+                       const void* scales, int64_t n, const void* bias, void* out, int threads,
+                       int float_output);
 int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, const void* cos, const void* sin,
                      int64_t rot_dim, void* cache, int64_t slots, const int64_t* slot_mapping,
@@ -42,11 +45,23 @@ struct DecodeLayer {
   void* residual;  // [rows, hidden] or null (layer 0: x is the residual stream)
   const void *input_norm, *post_norm;
   const void *qkv_panels, *qkv_bias, *o_panels, *gate_up_panels, *down_panels;
+  const void *qkv_scales, *o_scales, *gate_up_scales, *down_scales;  // int8 panels' (or null)
   const void *cos, *sin;  // [rows, rot_dim]
   void* cache;            // this layer's [2][num_kv_heads][num_blocks * block_size][head_dim]
   const int64_t *slot_mapping, *tables, *lens;
   void* out;  // [rows, hidden]: the MLP's output, to be added to the residual stream
 };
+
+namespace {
+
+// A product on half-precision panels, or on int8 ones where they have scales.
+int panel_product(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
+                  const void* scales, int64_t n, const void* bias, void* out, int threads) {
+  if (scales) return tg_panel_linear_q8(dtype, x, m, k, panels, scales, n, bias, out, threads, 0);
+  return tg_panel_linear(dtype, x, m, k, panels, n, bias, out, threads);
+}
+
+}  // namespace
 
 extern "C" int tg_decode_layer(const DecodeLayer* L) {
   const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(L->threads);
@@ -61,8 +76,8 @@ extern "C" int tg_decode_layer(const DecodeLayer* L) {
                                L->unit_offset, h.data(), threads);
   void* residual = L->residual ? L->residual : L->x;
   if (status) return 100 + status;
-  status = tg_panel_linear(dtype, h.data(), rows, hidden, L->qkv_panels, qkv_size, L->qkv_bias,
-                           qkv.data(), threads);
+  status = panel_product(dtype, h.data(), rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
+                         L->qkv_bias, qkv.data(), threads);
   if (status) return 200 + status;
   status = tg_rope_store_kv(dtype, qkv.data(), rows, L->num_heads, L->num_kv_heads, d, L->cos,
                             L->sin, L->rot_dim, L->cache, L->num_blocks * L->block_size,
@@ -74,19 +89,19 @@ extern "C" int tg_decode_layer(const DecodeLayer* L) {
                            L->num_heads, L->num_kv_heads, L->num_blocks, L->block_size, d,
                            L->table_width, L->window, L->scale, threads);
   if (status) return 400 + status;
-  status = tg_panel_linear(dtype, attn.data(), rows, q_size, L->o_panels, hidden, nullptr,
-                           o.data(), threads);
+  status = panel_product(dtype, attn.data(), rows, q_size, L->o_panels, L->o_scales, hidden,
+                         nullptr, o.data(), threads);
   if (status) return 500 + status;
   status = tg_add_rms_norm(dtype, o.data(), residual, L->post_norm, rows, hidden, L->eps,
                            L->unit_offset, h.data(), threads);
   if (status) return 600 + status;
-  status = tg_panel_linear(dtype, h.data(), rows, hidden, L->gate_up_panels, 2 * L->inter,
-                           nullptr, gate_up.data(), threads);
+  status = panel_product(dtype, h.data(), rows, hidden, L->gate_up_panels, L->gate_up_scales,
+                         2 * L->inter, nullptr, gate_up.data(), threads);
   if (status) return 700 + status;
   status = tg_act_mul(dtype, static_cast<int>(L->act), gate_up.data(), rows, L->inter,
                       inner.data(), threads);
   if (status) return 800 + status;
-  status = tg_panel_linear(dtype, inner.data(), rows, L->inter, L->down_panels, hidden, nullptr,
-                           L->out, threads);
+  status = panel_product(dtype, inner.data(), rows, L->inter, L->down_panels, L->down_scales,
+                         hidden, nullptr, L->out, threads);
   return status ? 900 + status : 0;
 }

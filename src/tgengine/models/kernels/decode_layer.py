@@ -57,6 +57,10 @@ class _DecodeLayer(ctypes.Structure):
                 "o_panels",
                 "gate_up_panels",
                 "down_panels",
+                "qkv_scales",
+                "o_scales",
+                "gate_up_scales",
+                "down_scales",
                 "cos",
                 "sin",
                 "cache",
@@ -70,9 +74,10 @@ class _DecodeLayer(ctypes.Structure):
 
 
 class DecodeLayerCall:
-    """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form), norms
-    and sizes. ``key`` identifies the weights it was made from, ``sources`` where they
-    live; make a new one when they change (an update or a wakeup repacks them)."""
+    """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form, or
+    ``kernels.quantize_panels``' int8 panels with their scales), norms and sizes. ``key``
+    identifies the weights it was made from, ``sources`` where they live; make a new one
+    when they change (an update or a wakeup repacks them)."""
 
     def __init__(
         self,
@@ -81,6 +86,7 @@ class DecodeLayerCall:
         sources: Sequence[object],
         dtype: torch.dtype,
         weights: Sequence[torch.Tensor],  # qkv, o, gate_up, down panels
+        scales: Sequence[torch.Tensor | None],  # their row scales where they are int8
         qkv_bias: torch.Tensor | None,
         norms: Sequence[torch.Tensor],  # input, post-attention
         eps: float,
@@ -100,6 +106,7 @@ class DecodeLayerCall:
         # tells when they move); the bias may be a converted copy, kept.
         self._bias = qkv_bias
         qkv, o, gate_up, down = weights
+        qkv_s, o_s, gate_up_s, down_s = (None if s is None else s.data_ptr() for s in scales)
         self.args = _DecodeLayer(
             dtype=kernels._DTYPES[dtype],
             act=ACTIVATIONS[act],
@@ -119,6 +126,10 @@ class DecodeLayerCall:
             o_panels=o.data_ptr(),
             gate_up_panels=gate_up.data_ptr(),
             down_panels=down.data_ptr(),
+            qkv_scales=qkv_s,
+            o_scales=o_s,
+            gate_up_scales=gate_up_s,
+            down_scales=down_s,
         )
 
     def run(

@@ -6,8 +6,11 @@
 //
 // x [m][k] and out [m][n] are in the weight's dtype, w is [n][k] (torch's Linear layout),
 // bias [n] or null. Accumulation is in float32; the output is rounded once, as torch does.
+// Panels may also hold int8 weights, each output row scaled by its own float32 factor
+// (weight-only quantization): x and out stay in bf16/fp16, the sums are scaled once.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -75,6 +78,23 @@ inline __m256 widen8(const uint16_t* p) {
     return _mm256_cvtph_ps(h);
   } else {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+// Eight int8 weights as floats (their row scales are applied to the sums, not here).
+template <int Dtype>
+inline __m256 widen8(const int8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
+
+// The sums of int8 panels times their rows' scales (half-precision panels: as they are);
+// ``scales`` is padded to whole panels.
+template <typename W>
+inline __m256 scaled(__m256 sums, const float* scales, int64_t n0) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    return _mm256_mul_ps(sums, _mm256_loadu_ps(scales + n0));
+  } else {
+    return sums;
   }
 }
 
@@ -185,9 +205,9 @@ constexpr int kPanel = 16;
     a##R##1 = _mm256_fmadd_ps(xv, w1, a##R##1);                      \
   }
 
-template <int Dtype, int MR, typename Out>
-inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const float* bias,
-                       int64_t n0, int64_t n, Out* out) {
+template <int Dtype, int MR, typename W, typename Out>
+inline void panel_tile(const float* x, int64_t k, const W* panel, const float* scales,
+                       const float* bias, int64_t n0, int64_t n, Out* out) {
   static_assert(1 <= MR && MR <= 6, "6 x 2 accumulators fill the 16 AVX registers");
   // Named accumulators, not an array: GCC keeps an array in memory and stores it every step.
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
@@ -203,8 +223,12 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
     TG_PANEL_ROW(5)
   }
   alignas(32) float rows[6][kPanel];
-  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                            {a30, a31}, {a40, a41}, {a50, a51}};
+  const __m256 acc[6][2] = {{scaled<W>(a00, scales, n0), scaled<W>(a01, scales, n0 + 8)},
+                            {scaled<W>(a10, scales, n0), scaled<W>(a11, scales, n0 + 8)},
+                            {scaled<W>(a20, scales, n0), scaled<W>(a21, scales, n0 + 8)},
+                            {scaled<W>(a30, scales, n0), scaled<W>(a31, scales, n0 + 8)},
+                            {scaled<W>(a40, scales, n0), scaled<W>(a41, scales, n0 + 8)},
+                            {scaled<W>(a50, scales, n0), scaled<W>(a51, scales, n0 + 8)}};
   const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
   if (width == kPanel) {
     for (int r = 0; r < MR; ++r) put_columns<Dtype>(out + r * n, acc[r], 2, bias, n0);
@@ -224,18 +248,20 @@ inline void panel_tile(const float* x, int64_t k, const uint16_t* panel, const f
 // one core keeps more of memory busy reading two streams than one (measured: ~1.2x), each
 // prefetched 1 KiB ahead; two k steps in flight per column (even and odd k summed apart and
 // added at the end, so the order of the sums differs from panel_tile's).
-template <int Dtype, typename Out>
-inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int panels,
-                           const float* bias, int64_t n0, int64_t n, Out* out) {
-  const uint16_t* second = panels == 2 ? first + k * kPanel : first;
+template <int Dtype, typename W, typename Out>
+inline void panel_pair_row(const float* x, int64_t k, const W* first, int panels,
+                           const float* scales, const float* bias, int64_t n0, int64_t n,
+                           Out* out) {
+  constexpr int64_t ahead = 1024 / sizeof(W);  // weights 1 KiB ahead
+  const W* second = panels == 2 ? first + k * kPanel : first;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0,
          d1 = a0;
   int64_t i = 0;
   for (; i + 2 <= k; i += 2) {
-    const uint16_t* p = first + i * kPanel;
-    const uint16_t* q = second + i * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(p + 512), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + 512), _MM_HINT_T0);
+    const W* p = first + i * kPanel;
+    const W* q = second + i * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + ahead), _MM_HINT_T0);
     const __m256 x0 = _mm256_broadcast_ss(x + i), x1 = _mm256_broadcast_ss(x + i + 1);
     a0 = _mm256_fmadd_ps(x0, widen8<Dtype>(p), a0);
     a1 = _mm256_fmadd_ps(x0, widen8<Dtype>(p + 8), a1);
@@ -253,8 +279,10 @@ inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int
     c0 = _mm256_fmadd_ps(xv, widen8<Dtype>(second + i * kPanel), c0);
     c1 = _mm256_fmadd_ps(xv, widen8<Dtype>(second + i * kPanel + 8), c1);
   }
-  const __m256 sums[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(c0, d0),
-                          _mm256_add_ps(c1, d1)};
+  const __m256 sums[4] = {scaled<W>(_mm256_add_ps(a0, b0), scales, n0),
+                          scaled<W>(_mm256_add_ps(a1, b1), scales, n0 + 8),
+                          scaled<W>(_mm256_add_ps(c0, d0), scales, n0 + kPanel),
+                          scaled<W>(_mm256_add_ps(c1, d1), scales, n0 + kPanel + 8)};
   const int64_t width = n - n0 < panels * kPanel ? n - n0 : panels * kPanel;
   if (width == panels * kPanel) {
     put_columns<Dtype>(out, sums, 2 * panels, bias, n0);
@@ -266,9 +294,10 @@ inline void panel_pair_row(const float* x, int64_t k, const uint16_t* first, int
     put(out + n0 + c, row[c] + (bias ? bias[n0 + c] : 0.f), Dtype);
 }
 
-template <int Dtype, typename Out>
-void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
-                  const uint16_t* bias_h, Out* out, int threads) {
+template <int Dtype, typename W, typename Out>
+void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const W* panels,
+                  const float* scales, int64_t n, const uint16_t* bias_h, Out* out,
+                  int threads) {
   const Widened<Dtype> in(xh, m * k, bias_h, n);
   const float* b = in.bias_or_null();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
@@ -279,40 +308,55 @@ void panel_linear(const uint16_t* xh, int64_t m, int64_t k, const uint16_t* pane
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t p = 2 * pair;
       const int count = p + 1 < num_panels ? 2 : 1;
-      panel_pair_row<Dtype, Out>(in.x.data(), k, panels + p * k * kPanel, count, b, p * kPanel, n,
-                            out);
+      panel_pair_row<Dtype, W, Out>(in.x.data(), k, panels + p * k * kPanel, count, scales, b,
+                                    p * kPanel, n, out);
     }
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < num_panels; ++p) {
-    const uint16_t* panel = panels + p * k * kPanel;
+    const W* panel = panels + p * k * kPanel;
     const int64_t n0 = p * kPanel;
     int64_t r = 0;
-    for (; r < m6; r += 6) panel_tile<Dtype, 6, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n);
+    for (; r < m6; r += 6) panel_tile<Dtype, 6, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n);
     switch (m - r) {
-      case 5: panel_tile<Dtype, 5, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 4: panel_tile<Dtype, 4, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 3: panel_tile<Dtype, 3, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 2: panel_tile<Dtype, 2, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
-      case 1: panel_tile<Dtype, 1, Out>(&in.x[r * k], k, panel, b, n0, n, out + r * n); break;
+      case 5: panel_tile<Dtype, 5, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n); break;
+      case 4: panel_tile<Dtype, 4, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n); break;
+      case 3: panel_tile<Dtype, 3, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n); break;
+      case 2: panel_tile<Dtype, 2, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n); break;
+      case 1: panel_tile<Dtype, 1, W, Out>(&in.x[r * k], k, panel, scales, b, n0, n, out + r * n); break;
       default: break;
     }
   }
 }
 
+// Every product behind one signature: x, m, k, the weight (plain or panels), the int8 panels'
+// row scales (else null), n, bias, out, threads.
 template <typename Out>
-using Product = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+using Product = void (*)(const uint16_t*, int64_t, int64_t, const void*, const float*, int64_t,
                          const uint16_t*, Out*, int);
+
+template <int Dtype>
+void plain_product(const uint16_t* x, int64_t m, int64_t k, const void* w, const float*,
+                   int64_t n, const uint16_t* bias, uint16_t* out, int threads) {
+  linear<Dtype>(x, m, k, static_cast<const uint16_t*>(w), n, bias, out, threads);
+}
+
+template <int Dtype, typename W, typename Out>
+void panels_product(const uint16_t* x, int64_t m, int64_t k, const void* w, const float* scales,
+                    int64_t n, const uint16_t* bias, Out* out, int threads) {
+  panel_linear<Dtype, W, Out>(x, m, k, static_cast<const W*>(w), scales, n, bias, out, threads);
+}
 
 // Checks the sizes and runs the product's bf16 or fp16 instance: 0, or a refusal status.
 template <typename Out>
 int run_product(Product<Out> bf16, Product<Out> f16, int dtype, const void* x, int64_t m,
-                int64_t k, const void* w, int64_t n, const void* bias, void* out, int threads) {
+                int64_t k, const void* w, const float* scales, int64_t n, const void* bias,
+                void* out, int threads) {
   if (m < 0 || k <= 0 || n < 0 || threads < 1) return 1;
   Product<Out> product = dtype == kBf16 ? bf16 : dtype == kF16 ? f16 : nullptr;
   if (product == nullptr) return 2;
-  product(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(w), n,
+  product(static_cast<const uint16_t*>(x), m, k, w, scales, n,
           static_cast<const uint16_t*>(bias), static_cast<Out*>(out), threads);
   return 0;
 }
@@ -321,23 +365,42 @@ int run_product(Product<Out> bf16, Product<Out> f16, int dtype, const void* x, i
 
 extern "C" int tg_half_linear(int dtype, const void* x, int64_t m, int64_t k, const void* w,
                               int64_t n, const void* bias, void* out, int threads) {
-  return run_product<uint16_t>(linear<kBf16>, linear<kF16>, dtype, x, m, k, w, n, bias, out,
-                               threads);
+  return run_product<uint16_t>(plain_product<kBf16>, plain_product<kF16>, dtype, x, m, k, w,
+                               nullptr, n, bias, out, threads);
 }
 
 extern "C" int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k,
                                const void* panels, int64_t n, const void* bias, void* out,
                                int threads) {
-  return run_product<uint16_t>(panel_linear<kBf16, uint16_t>, panel_linear<kF16, uint16_t>,
-                               dtype, x, m, k, panels, n, bias, out, threads);
+  return run_product<uint16_t>(panels_product<kBf16, uint16_t, uint16_t>,
+                               panels_product<kF16, uint16_t, uint16_t>, dtype, x, m, k, panels,
+                               nullptr, n, bias, out, threads);
 }
 
 // The same product, its outputs (rounded to the weight's dtype) stored as float32: logits.
 extern "C" int tg_panel_linear_f32(int dtype, const void* x, int64_t m, int64_t k,
                                    const void* panels, int64_t n, const void* bias, void* out,
                                    int threads) {
-  return run_product<float>(panel_linear<kBf16, float>, panel_linear<kF16, float>, dtype, x, m,
-                            k, panels, n, bias, out, threads);
+  return run_product<float>(panels_product<kBf16, uint16_t, float>,
+                            panels_product<kF16, uint16_t, float>, dtype, x, m, k, panels,
+                            nullptr, n, bias, out, threads);
+}
+
+// Int8 panels with their rows' float32 scales (padded to whole panels); x, bias and out in
+// ``dtype``, or out in float32 (``float_output``: logits, rounded to ``dtype`` first).
+extern "C" int tg_panel_linear_q8(int dtype, const void* x, int64_t m, int64_t k,
+                                  const void* panels, const void* scales, int64_t n,
+                                  const void* bias, void* out, int threads, int float_output) {
+  const float* s = static_cast<const float*>(scales);
+  if (s == nullptr) return 1;
+  if (float_output) {
+    return run_product<float>(panels_product<kBf16, int8_t, float>,
+                              panels_product<kF16, int8_t, float>, dtype, x, m, k, panels, s, n,
+                              bias, out, threads);
+  }
+  return run_product<uint16_t>(panels_product<kBf16, int8_t, uint16_t>,
+                               panels_product<kF16, int8_t, uint16_t>, dtype, x, m, k, panels, s,
+                               n, bias, out, threads);
 }
 
 extern "C" int tg_half_linear_available() { return 1; }
@@ -356,6 +419,11 @@ extern "C" int tg_panel_linear(int, const void*, int64_t, int64_t, const void*, 
 
 extern "C" int tg_panel_linear_f32(int, const void*, int64_t, int64_t, const void*, int64_t,
                                    const void*, void*, int) {
+  return 3;
+}
+
+extern "C" int tg_panel_linear_q8(int, const void*, int64_t, int64_t, const void*, const void*,
+                                  int64_t, const void*, void*, int, int) {
   return 3;
 }
 
