@@ -2,6 +2,10 @@
 
 from typing import TYPE_CHECKING, Any
 
+from .openmp_policy import prefer_passive_wait
+
+prefer_passive_wait()  # before anything loads torch (and with it OpenMP)
+
 from .config import EngineConfig
 from .engine import Engine
 from .engine_client import EngineClient

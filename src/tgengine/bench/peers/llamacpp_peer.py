@@ -20,6 +20,7 @@ from typing import IO, Any
 import anyio
 from anyio.abc import Process
 
+from ...openmp_policy import user_environ
 from .spec import DEFAULT_THREADS, PeerRunError, PeerSpec, log_tail
 
 _STOP_GRACE_S = 10.0
@@ -48,7 +49,7 @@ def _free_port() -> int:
 async def _server(command: list[str], log: IO[bytes]) -> AsyncIterator[Process]:
     """``llama-server`` running for the block; terminated (then killed) when it exits."""
     process = await anyio.open_process(
-        command, stdin=None, stdout=log, stderr=log, start_new_session=True
+        command, stdin=None, stdout=log, stderr=log, start_new_session=True, env=user_environ()
     )
     try:
         yield process

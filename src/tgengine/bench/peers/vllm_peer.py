@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ...openmp_policy import user_environ
 from .spec import PeerRunError, PeerSpec, Threads, log_tail
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -37,7 +38,7 @@ def peer_env(threads: Threads, *, job_sets_kv_cache: bool = False) -> dict[str, 
 
     ``job_sets_kv_cache``: the job gives vLLM its KV cache size itself (the ``memory`` job),
     so ``VLLM_CPU_KVCACHE_SPACE``, which vLLM would let win, is unset."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in user_environ().items() if k != "PYTHONPATH"}
     env["VLLM_HOST_IP"] = "127.0.0.1"
     if job_sets_kv_cache:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
