@@ -192,3 +192,35 @@ def test_the_bench_counts_a_byte_per_int8_matrix_weight(tiny_llama_dir: Path) ->
     matrices = plain.layer_matmul_params + plain.head_params
     assert plain.weight_bytes - int8.weight_bytes == matrices  # 2 bytes each -> 1
     assert int8.flops_per_token() == plain.flops_per_token()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_partial_update_leaves_the_other_rows_bits_alone(
+    dtype: torch.dtype, tiny_llama_dir: Path
+) -> None:
+    # Writing k_proj unpacks q/k/v (dequantized), writes k and quantizes all three again:
+    # q's and v's int8 values and scales come back bit for bit.
+    config = load_model_config(tiny_llama_dir)
+    model = load_model(config, tiny_llama_dir, dtype, "cpu")
+    model.gemm.prepack = True
+    model.gemm.quantization = "int8"
+    pack_weights(model)
+    qkv = model.model.layers[0].self_attn.qkv
+    before = qkv.packed
+    assert isinstance(before, Panels) and before.scales is not None
+    q_rows, k_rows = (int(p.shape[0]) for p in qkv.params[:2])
+    name = "model.layers.0.self_attn.k_proj.weight"
+    new_k = torch.randn(k_rows, config.hidden_size).to(dtype)
+    copy_weights(model, [(name, new_k)])
+    after = qkv.packed
+    assert isinstance(after, Panels) and after.scales is not None
+    rows = torch.arange(before.rows)
+    kept = (rows < q_rows) | (rows >= q_rows + k_rows)
+    old_q = kernels.dequantize_rows(before.data, before.scales, rows[kept])
+    new_q = kernels.dequantize_rows(after.data, after.scales, rows[kept])
+    assert torch.equal(old_q, new_q)
+    written = kernels.dequantize_rows(after.data, after.scales, rows[~kept])
+    assert not torch.equal(
+        written, kernels.dequantize_rows(before.data, before.scales, rows[~kept])
+    )
