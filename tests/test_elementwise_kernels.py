@@ -175,10 +175,12 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
         ("mistral", {"sliding_window": 6}),
     ],
 )
+@pytest.mark.parametrize("quantization", [None, "int8"])
 def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     dtype: torch.dtype,
     arch: str,
     overrides: dict[str, object],
+    quantization: str | None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -187,6 +189,7 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     config = load_model_config(model_dir)
     model = load_model(config, model_dir, dtype, "cpu")
     model.gemm.prepack = True
+    model.gemm.quantization = quantization  # int8 panels: an update quantizes again
     pack_weights(model)
     runs: list[int] = []
     original = DecodeLayerCall.run

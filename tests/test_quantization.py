@@ -15,13 +15,11 @@ import torch.nn.functional as F
 from test_lifecycle import PROMPTS, checkpoint_bytes, other_weights, weights_bytes
 from test_model_fast_paths import _prefill_then_decode, _prompts
 from tgengine import EngineConfig, EngineDeadError, ModelLoadError, open_engine
-from tgengine.models import iter_safetensors, kernels, llama, load_model, load_model_config
+from tgengine.models import iter_safetensors, kernels, load_model, load_model_config
 from tgengine.models.gemm import Panels, can_pack_panels
-from tgengine.models.kernels.decode_layer import DecodeLayerCall
 from tgengine.models.weights import copy_weights, pack_weights
 
 from engine_helpers import TIMEOUT, generate_all, greedy, tiny_config, tokens_of
-from model_factory import make_tiny_model_dir
 
 HALF = [torch.bfloat16, torch.float16]
 needs_kernels = pytest.mark.skipif(
@@ -95,40 +93,6 @@ def test_a_model_quantizes_every_linear_weight_and_the_tied_embedding(
     want = _prefill_then_decode(plain, [list(p) for p in prompts], torch.bfloat16)
     # Random tiny weights: the int8 error shows, but the logits stay close to bf16's.
     assert (got - want).abs().mean() < 0.05 * want.abs().mean()
-
-
-@needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_one_call_decode_layer_runs_int8_panels_like_the_layer_path(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model_dir = make_tiny_model_dir(tmp_path / arch, arch, head_dim=32)
-    config = load_model_config(model_dir)
-    model = load_model(config, model_dir, torch.bfloat16, "cpu")
-    model.gemm.prepack = True
-    model.gemm.quantization = "int8"
-    pack_weights(model)
-    runs: list[int] = []
-    original = DecodeLayerCall.run
-
-    def counted(self: DecodeLayerCall, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        runs.append(int(args[0].shape[0]))
-        return original(self, *args)
-
-    monkeypatch.setattr(DecodeLayerCall, "run", counted)
-    prompts = _prompts(config.vocab_size, [5, 9, 2, 1])
-    first = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
-    assert runs == [len(prompts)] * config.num_layers
-    # An update quantizes the written weights again; the calls follow the new panels.
-    names = ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
-    params = dict(model.named_parameters())
-    copy_weights(model, [(n, torch.randn(params[n].shape).to(torch.bfloat16)) for n in names])
-    updated = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
-    monkeypatch.setattr(llama, "decode_call", lambda layer, cached: None)
-    want = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
-    assert len(runs) == 2 * config.num_layers, "the layer-by-layer path made no call"
-    assert torch.equal(updated, want), "the same kernels in the same order: the same bits"
-    assert not torch.equal(updated, first)
 
 
 def test_the_config_refuses_what_int8_cannot_be() -> None:
