@@ -154,14 +154,28 @@ async def test_same_results_as_in_process(
 
 
 async def test_faults_arrive_as_in_process(long_context_dir: Path) -> None:
-    """A SIGKILL and an exception in the child, each in its own engine process, side by side
-    (the two processes start at once: their start-up is most of the time)."""
+    """A SIGKILL, an exception in the child and a failed start, each in its own engine
+    process, side by side (the processes start at once: their start-up is most of the time)."""
     before = child_pids()
-    with anyio.fail_after(2 * TIMEOUT):  # each scenario has TIMEOUT; both start at once
+    with anyio.fail_after(2 * TIMEOUT):  # each scenario has TIMEOUT; all start at once
         async with anyio.create_task_group() as tg:
             tg.start_soon(sigkill_ends_every_stream_and_run_raises, long_context_dir)
             tg.start_soon(exception_in_the_child_arrives_as_the_cause, long_context_dir)
+            tg.start_soon(a_failed_start_leaves_a_dead_engine, long_context_dir)
     assert child_pids() == before
+
+
+async def a_failed_start_leaves_a_dead_engine(long_context_dir: Path) -> None:
+    """The model does not load (a KV cache budget below one block): ``run()`` raises, and
+    the engine refuses requests as dead, as ``Engine`` does (not as one not yet started)."""
+    config = tiny_config(long_context_dir, num_blocks=None, kv_cache_memory=1)
+    client = ProcessEngine(config)
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(EngineDeadError, match="KV cache budget of 1 bytes"):
+            await client.run()
+    assert client.state is EngineState.DEAD
+    with pytest.raises(EngineDeadError, match="KV cache budget of 1 bytes"):
+        client.generate(PROMPTS[0], greedy(2))
 
 
 async def sigkill_ends_every_stream_and_run_raises(long_context_dir: Path) -> None:
