@@ -125,8 +125,9 @@ class EngineLoop:
         """Run one step; False when nothing could be scheduled."""
         assert self.scheduler is not None and self.tracker is not None
         batch = self.scheduler.schedule()
+        # counted at once: a step cancelled in flight (a stop) still preempted them
+        self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
-            self.num_preemptions += len(batch.preempted)
             if batch.preempted:
                 return True  # blocks were freed: the next schedule can admit
             self._work = anyio.Event()
@@ -140,7 +141,6 @@ class EngineLoop:
         except TimeoutError as exc:
             raise StepTimeoutError(timeout or 0.0) from exc
         self.num_steps += 1
-        self.num_preemptions += len(batch.preempted)
         self.last_step_time = anyio.current_time()
         self.scheduler.update_after_step(batch, failed=result.errors.keys())
         for hook in self.step_hooks:
