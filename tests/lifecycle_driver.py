@@ -101,6 +101,8 @@ class EngineDriver:
         except RuntimeError as exc:
             self.step_problems.append(f"after step {self.engine._loop.num_steps}: {exc}")
         self.step_problems += prefix_problems(bm, scheduler.running)
+        failing = {i for ids in self.faults.cache_not_ready_at.values() for i in ids}
+        self.step_problems += window_problems(scheduler, skip=failing)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``await fn(*args)`` in the loop, bounded; return its result or its exception."""
@@ -377,7 +379,7 @@ def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
             if block_hash != hash_block(parent, tokens):
                 problems.append(f"{seq.seq_id}: block #{i}'s hash is not its prefix's")
             parent = block_hash
-        first = seq.num_released_blocks  # blocks a sliding window let go of (none here)
+        first = seq.num_released_blocks  # blocks a sliding window let go of
         for i, block_id in enumerate(seq.block_table, start=first):
             block = bm.blocks[block_id]
             if block.block_hash is None:
@@ -389,6 +391,26 @@ def prefix_problems(bm: Any, running: list[Any]) -> list[str]:
                     f"{seq.seq_id} holds block {block_id} (its #{i}) whose cached prefix "
                     f"{block.token_ids} is not its content {tokens}"
                 )
+    return problems
+
+
+def window_problems(scheduler: Any, skip: set[str]) -> list[str]:
+    """With a sliding window, right after a step every running sequence has given back
+    exactly the blocks behind its window: those whose keys no later query of it reads
+    (keys at or before ``num_computed_tokens - window``). ``skip``: sequences whose step
+    may have failed (their KV was not computed, so nothing moved)."""
+    window = scheduler.config.sliding_window
+    if window is None:
+        return []
+    size = scheduler.block_manager.block_size
+    problems = []
+    for seq in scheduler.running:
+        dead = max(0, seq.num_computed_tokens - window + 1) // size
+        if seq.seq_id not in skip and seq.num_released_blocks != dead:
+            problems.append(
+                f"{seq.seq_id}: {seq.num_released_blocks} blocks released, {dead} behind its "
+                f"window after {seq.num_computed_tokens} tokens"
+            )
     return problems
 
 

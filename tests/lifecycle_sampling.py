@@ -50,7 +50,7 @@ def eos_ids(model_dir: str) -> frozenset[int]:
     return frozenset(load_model_config(model_dir).eos_token_ids)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=4)
 def _compiler(model_dir: str) -> GrammarCompiler:
     from transformers import AutoTokenizer
 
