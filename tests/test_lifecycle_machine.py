@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -261,18 +262,32 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.num_deaths = 0
 
     @initialize(when_asleep=st.sampled_from(["reject", "wait"]))
-    def start_engine(self, when_asleep: str = "reject") -> None:
+    def start_engine(self, when_asleep: str = "reject", block_bytes: int | None = None) -> None:
+        """With ``block_bytes`` (one KV block's size), the KV cache is sized by memory, to
+        ``NUM_BLOCKS`` blocks exactly; else by ``num_blocks``."""
         self.when_asleep = when_asleep
+        size: dict[str, Any] = {"num_blocks": NUM_BLOCKS}
+        if block_bytes is not None:
+            size = {"num_blocks": None, "kv_cache_memory": NUM_BLOCKS * block_bytes}
         config = tiny_config(
             self.dir_a,
-            num_blocks=NUM_BLOCKS,
             max_model_len=MAX_MODEL_LEN,
             when_asleep=when_asleep,
             step_timeout=STEP_TIMEOUT,
+            **size,
         )
         self.num_engines += 1
         self.driver = EngineDriver(self.portal, config, self.num_engines, self.kind)
         self.model = EngineModel(when_asleep)
+        if self.d.inside:
+            total = self.d.run_sync(lambda: self.d.engine.stats().num_total_blocks)
+            assert total == NUM_BLOCKS, f"{total} KV blocks planned, {NUM_BLOCKS} wanted"
+
+    def start_fresh_engine_after_a_refusal(self) -> None:
+        """A refused start, then a fresh engine whose KV cache is sized by memory: the
+        refusal names one block's size, and a budget of ``NUM_BLOCKS`` of them must give
+        exactly ``NUM_BLOCKS`` blocks."""
+        self.start_engine(self.when_asleep, block_bytes=self.refused_start())
 
     @property
     def d(self) -> EngineDriver:
@@ -601,14 +616,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule()
     def start_fresh_engine(self) -> None:
         self.check_every_request_ended()
-        self.refused_start()
-        self.start_engine(self.when_asleep)
+        self.start_fresh_engine_after_a_refusal()
 
-    def refused_start(self) -> None:
+    def refused_start(self) -> int:
         """Before a fresh engine: one whose KV cache budget is below one block. ``run()``
         raises ``EngineDeadError`` (its cause: the ``ModelLoadError`` naming the budget)
         before it serves; that engine is dead, admits nothing, cannot run again and leaves
-        no process behind. The valid start that follows must serve as if it never was."""
+        no process behind. The valid start that follows must serve as if it never was.
+        Returns one KV block's size in bytes, as the refusal names it."""
         config = tiny_config(
             self.dir_a, num_blocks=None, kv_cache_memory=1, max_model_len=MAX_MODEL_LEN
         )
@@ -633,6 +648,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         again = self.portal.call(engine_run_error, engine)
         assert isinstance(again, IllegalStateError), again
         assert child_pids() <= children, "a failed start left a process behind"
+        named = re.search(r"below one block \((\d+) bytes\)", str(dead))
+        assert named is not None, dead
+        return int(named.group(1))
 
     @precondition(lambda self: self.model.alive)
     @rule(grace=st.sampled_from([0.0, BOUND / 3]), busy=st.booleans())
@@ -759,8 +777,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check_engine()
         self.admit(0, 1)  # refused: EngineDeadError
         self.check_every_request_ended()
-        self.refused_start()
-        self.start_engine(self.when_asleep)
+        self.start_fresh_engine_after_a_refusal()
 
     # -- invariants -----------------------------------------------------------------
 
