@@ -289,6 +289,10 @@ class EngineDriver:
         if scheduler is None or tracker is None:
             return []
         live = set(tracker.requests)
+        public = {r.public_id for r in tracker.requests.values()}
+        kept = set(tracker.groups) | set(tracker._members)
+        if kept - public:  # nothing of an ended request stays behind
+            return [f"the tracker still keeps ended requests: {sorted(kept - public, key=str)}"]
         scheduled = {i for i in live if scheduler.get(i) is not None}
         if serving and live - scheduled:
             return [f"serving, yet not scheduled (still held?): {sorted(live - scheduled)}"]
@@ -334,6 +338,9 @@ class EngineDriver:
             blocks = (stats.num_free_blocks, stats.num_total_blocks, stats.kv_cache_usage)
             if blocks != (bm.num_free_blocks, bm.num_blocks, bm.num_used_blocks / bm.num_blocks):
                 problems.append(f"block stats {blocks} != the block manager's")
+            prefix = (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total)
+            if prefix != (bm.num_queried_tokens, bm.num_hit_tokens):
+                problems.append(f"prefix cache stats {prefix} != the block manager's")
             if (stats.num_running, stats.num_waiting - len(self.engine._held)) != (
                 len(scheduler.running),
                 len(scheduler.waiting),
