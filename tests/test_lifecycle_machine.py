@@ -626,7 +626,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def refused_start(self) -> int:
         """Before a fresh engine: one whose KV cache budget is below one block. ``run()``
         raises ``EngineDeadError`` (its cause: the ``ModelLoadError`` naming the budget)
-        before it serves; that engine is dead, admits nothing, cannot run again and leaves
+        before it serves (before it runs, it admits nothing and preparing a constraint is a
+        no-op); that engine is dead, admits nothing, cannot run again and leaves
         no process behind. The valid start that follows must serve as if it never was.
         Returns one KV block's size in bytes, as the refusal names it."""
         config = tiny_config(
@@ -634,6 +635,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
         children = child_pids()
         engine = make_engine(self.kind, config, FaultInjector())
+        # before it starts: nothing is admitted, and preparing a constraint is a no-op
+        early = self.portal.call(admission_error, engine)
+        assert isinstance(early, IllegalStateError), early
+        assert (
+            str(early) == "cannot generate before the engine started while the engine is starting"
+        )
+        constrained = SamplingParams(structured_outputs=CASES["choice"])
+        self.portal.call(engine.prepare_structured_outputs, constrained)
         try:
             self.portal.start_task(engine.run)
         except EngineDeadError as exc:
