@@ -2,9 +2,9 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .openmp_policy import prefer_passive_wait
+from .openmp_policy import shorten_openmp_spin
 
-prefer_passive_wait()  # before anything loads torch (and with it OpenMP)
+shorten_openmp_spin()  # before anything loads torch (and with it OpenMP)
 
 from .config import EngineConfig
 from .engine import Engine
