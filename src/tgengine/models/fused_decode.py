@@ -2,8 +2,8 @@
 
 A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
 norm, a dense MLP with SiLU or GELU-tanh, its four products packed into panels (bf16/fp16 on
-AVX2, or int8), one rank. The step qualifies when every row is a decode row attended by the paged
-kernel (``CausalLM.forward`` decides, per step). Anything else takes the layer's forward.
+AVX2, or int8), one rank. The step qualifies when every row is a decode row attended by the
+paged kernel (``CausalLM.forward`` decides, per step). Anything else takes the layer's forward.
 """
 
 from __future__ import annotations

@@ -298,46 +298,11 @@ def panel_linear(
     ones, and these their row scales (``x``'s dtype is then bf16 or fp16).
     """
     if scales is not None:
-        return _int8_product(x, panels, scales, rows, bias, float_output)
+        out_dtype = torch.float32 if float_output else None
+        return _half_product("tg_panel_linear_q8", x, panels, rows, bias, out_dtype, scales)
     if float_output:
         return _half_product("tg_panel_linear_f32", x, panels, rows, bias, torch.float32)
     return _half_product("tg_panel_linear", x, panels, rows, bias)
-
-
-def _int8_product(
-    x: torch.Tensor,
-    panels: torch.Tensor,
-    scales: torch.Tensor,
-    n: int,
-    bias: torch.Tensor | None,
-    float_output: bool,
-) -> torch.Tensor:
-    lib = load()
-    if lib is None or x.dtype not in HALF_LINEAR_DTYPES or panels.dtype != torch.int8:
-        raise RuntimeError("tg_panel_linear_q8 called where the kernel does not apply")
-    if not (panels.is_contiguous() and scales.is_contiguous()) or scales.dtype != torch.float32:
-        raise RuntimeError("tg_panel_linear_q8: contiguous panels and float32 scales")
-    x = x.contiguous()
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.float32 if float_output else x.dtype)
-    status = lib.tg_panel_linear_q8(
-        _DTYPES[x.dtype],
-        x.data_ptr(),
-        m,
-        k,
-        panels.data_ptr(),
-        scales.data_ptr(),
-        n,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-        int(float_output),
-    )
-    if status != 0:
-        raise RuntimeError(f"tg_panel_linear_q8 refused the shapes (status {status})")
-    return out
 
 
 def _half_product(
@@ -347,27 +312,36 @@ def _half_product(
     n: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Runs ``kernel`` on a bf16/fp16 ``x``: ``weight`` in ``x``'s dtype, or int8 panels
+    with their float32 ``scales`` (the q8 kernel, which takes them and a float-output flag)."""
     lib = load()
-    if lib is None or x.dtype not in HALF_LINEAR_DTYPES or weight.dtype != x.dtype:
+    weight_dtype = x.dtype if scales is None else torch.int8
+    if lib is None or x.dtype not in HALF_LINEAR_DTYPES or weight.dtype != weight_dtype:
         raise RuntimeError(f"{kernel} called where the kernel does not apply")
     if not weight.is_contiguous():
         raise RuntimeError(f"{kernel}: the weight must be contiguous")
+    if scales is not None and (not scales.is_contiguous() or scales.dtype != torch.float32):
+        raise RuntimeError(f"{kernel}: the scales must be contiguous float32")
     x = x.contiguous()
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    weights = [weight.data_ptr()] if scales is None else [weight.data_ptr(), scales.data_ptr()]
+    flags = [] if scales is None else [int(out.dtype == torch.float32)]
     status = getattr(lib, kernel)(
         _DTYPES[x.dtype],
         x.data_ptr(),
         m,
         k,
-        weight.data_ptr(),
+        *weights,
         n,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
+        *flags,
     )
     if status != 0:
         raise RuntimeError(f"{kernel} refused the shapes (status {status})")

@@ -9,7 +9,8 @@
 //   o = a @ Wo.T; h = norm(residual += o)
 //   out = (act(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 // For the common layer only: pre-norms, no per-head q/k norm, a dense gated MLP, weights
-// packed into panels (bf16/fp16, or int8 with row scales), one rank. Compiled with the other kernels by tgengine.models.kernels.
+// packed into panels (bf16/fp16, or int8 with row scales), one rank. Compiled with the other
+// kernels by tgengine.models.kernels.
 #include <cstdint>
 #include <cstring>
 #include <vector>

@@ -223,12 +223,9 @@ inline void panel_tile(const float* x, int64_t k, const W* panel, const float* s
     TG_PANEL_ROW(5)
   }
   alignas(32) float rows[6][kPanel];
-  const __m256 acc[6][2] = {{scaled<W>(a00, scales, n0), scaled<W>(a01, scales, n0 + 8)},
-                            {scaled<W>(a10, scales, n0), scaled<W>(a11, scales, n0 + 8)},
-                            {scaled<W>(a20, scales, n0), scaled<W>(a21, scales, n0 + 8)},
-                            {scaled<W>(a30, scales, n0), scaled<W>(a31, scales, n0 + 8)},
-                            {scaled<W>(a40, scales, n0), scaled<W>(a41, scales, n0 + 8)},
-                            {scaled<W>(a50, scales, n0), scaled<W>(a51, scales, n0 + 8)}};
+  __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = scaled<W>(acc[r][j], scales, n0 + 8 * j);
   const int64_t width = n - n0 < kPanel ? n - n0 : kPanel;
   if (width == kPanel) {
     for (int r = 0; r < MR; ++r) put_columns<Dtype>(out + r * n, acc[r], 2, bias, n0);
