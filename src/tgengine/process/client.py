@@ -233,13 +233,11 @@ class ProcessEngine:
 
     def _check_admission(self) -> None:
         state = self._state
-        if state is S.STARTING:
-            raise IllegalStateError("generate before the engine started", str(state))
         if state in (S.STOPPING, S.STOPPED):
             raise EngineStoppedError(str(state))
         if state is S.DEAD:  # a failed start included, as Engine does
             raise EngineDeadError(str(self._cause)) from self._cause
-        if self._admission is None:
+        if state is S.STARTING or self._admission is None:
             raise IllegalStateError("generate before the engine started", str(state))
         refusal = self._snapshot.refusal if self._snapshot else None
         if refusal is not None:
