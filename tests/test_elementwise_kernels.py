@@ -18,7 +18,7 @@ from test_model_fast_paths import _prefill_then_decode, _prompts
 from tgengine.models import llama, load_model, load_model_config
 from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
-from tgengine.models.kernels.decode_layer import DecodeLayerCall
+from tgengine.models.kernels.decode_layer import DecodeLayerCall, DecodeStep
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
@@ -176,7 +176,7 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     ],
 )
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
+def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     dtype: torch.dtype,
     arch: str,
     overrides: dict[str, object],
@@ -185,23 +185,27 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # head_dim 32: one the paged decode kernel takes (the whole-layer call needs it).
-    model_dir = make_tiny_model_dir(tmp_path / arch, arch, head_dim=32, **overrides)
+    model_dir = make_tiny_model_dir(
+        tmp_path / arch, arch, head_dim=32, num_hidden_layers=3, **overrides
+    )
     config = load_model_config(model_dir)
     model = load_model(config, model_dir, dtype, "cpu")
     model.gemm.prepack = True
     model.gemm.quantization = quantization  # int8 panels: an update quantizes again
     pack_weights(model)
-    runs: list[int] = []
-    original = DecodeLayerCall.run
+    runs: list[tuple[int, int]] = []
+    original = llama.run_layers
 
-    def counted(self: DecodeLayerCall, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        runs.append(int(args[0].shape[0]))
-        return original(self, *args)
+    def counted(
+        calls: list[DecodeLayerCall], step: DecodeStep, x: torch.Tensor, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append((len(calls), int(x.shape[0])))
+        return original(calls, step, x, *args)
 
-    monkeypatch.setattr(DecodeLayerCall, "run", counted)
+    monkeypatch.setattr(llama, "run_layers", counted)
     prompts = _prompts(config.vocab_size, [5, 9, 2, 1, 12])
     got = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
-    assert runs == [len(prompts)] * config.num_layers, "the decode step ran one call per layer"
+    assert runs == [(config.num_layers, len(prompts))], "the decode step ran all layers at once"
     # A weight update (unpack, write, repack) and a replaced norm: the calls follow them.
     names = ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
     params = dict(model.named_parameters())
@@ -209,11 +213,19 @@ def test_a_decode_step_in_one_call_per_layer_equals_the_layer_by_layer_path(
     norm = model.model.layers[0].post_attention_layernorm
     norm.weight.data = torch.randn(norm.weight.shape).to(dtype)
     updated = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
-    assert len(runs) == 2 * config.num_layers
-    monkeypatch.setattr(llama, "decode_call", lambda layer, cached: None)
+    assert len(runs) == 2
+    one_call = llama.decode_call
+    monkeypatch.setattr(llama, "decode_call", lambda *args: None)
     want = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
-    assert len(runs) == 2 * config.num_layers, "the layer-by-layer path made no call"
+    assert len(runs) == 2, "the layer-by-layer path made no call"
     assert torch.equal(updated, want), "same kernels in the same order: the same bits"
+    # A layer that does not qualify splits the others into runs around it.
+    monkeypatch.setattr(
+        llama, "decode_call", lambda layer, i, *args: None if i == 1 else one_call(layer, i, *args)
+    )
+    split = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert config.num_layers == 3 and runs[2:] == [(1, len(prompts))] * 2
+    assert torch.equal(split, want)
     assert not torch.equal(updated, got)
 
 

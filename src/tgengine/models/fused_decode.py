@@ -3,26 +3,35 @@
 A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
 norm, a dense MLP with SiLU or GELU-tanh, its four products packed into panels (bf16/fp16 on
 AVX2, or int8), one rank. The step qualifies when every row is a decode row attended by the
-paged kernel (``CausalLM.forward`` decides, per step). Anything else takes the layer's forward.
+paged kernel (``CausalLM.forward`` decides, per step). Consecutive qualifying layers run in
+one call (``kernels.decode_layer.run_layers``); anything else takes the layer's forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
+from tgengine.models.attention import KernelDecodePlan
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import LinearWeights, Panels
-from tgengine.models.kernels.decode_layer import DecodeLayerCall
+from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep
 from tgengine.models.kernels.elementwise import ACTIVATIONS
 from tgengine.models.layers import MLP
 
 if TYPE_CHECKING:
     from tgengine.models.llama import DecoderLayer
+    from tgengine.models.self_attention import StepContext
 
 
-def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLayerCall | None:
+def decode_call(
+    layer: DecoderLayer, index: int, plan: int, cached: DecodeLayerCall | None
+) -> DecodeLayerCall | None:
     """``cached`` if the layer's weights are still the ones it was made from, else a new call
-    (None where the layer does not qualify)."""
+    (None where the layer does not qualify). ``index``: the layer's place in the KV cache;
+    ``plan``: which of ``decode_step``'s block tables its window attends with."""
     if cached is not None and _key(cached.sources) == cached.key:
         return cached
     attn, ffn = layer.self_attn, layer.ffn
@@ -59,7 +68,42 @@ def decode_call(layer: DecoderLayer, cached: DecodeLayerCall | None) -> DecodeLa
         inter=panels[2].rows // 2,  # gate and up rows
         scale=attn.scale,
         window=attn.window,
+        layer=index,
+        rope=attn.rope_index,
+        plan=plan,
     )
+
+
+def decode_step(
+    step: StepContext, windows: Sequence[int | None]
+) -> tuple[DecodeStep, list[torch.Tensor]]:
+    """The step's arguments for ``run_layers``, ``windows[i]``'s block tables as plan ``i``,
+    and the tensors they point into (keep them alive until the calls return)."""
+    if len(step.rotary) > KINDS or len(windows) > KINDS:
+        raise ValueError(f"a decode step holds at most {KINDS} RoPEs and windows")
+    cache = step.kv_cache
+    first = cache.layer_heads(0)  # checks the head-major layout every layer shares
+    args = DecodeStep(
+        threads=torch.get_num_threads(),
+        rows=int(step.inputs.input_ids.shape[0]),
+        num_blocks=int(first.shape[2]),
+        block_size=int(first.shape[3]),
+        layer_stride=int(cache.kv.stride(0)),
+        cache=first.data_ptr(),
+    )
+    alive = [step.inputs.slot_mapping.contiguous()]
+    args.slot_mapping = alive[0].data_ptr()
+    for i, (cos, sin) in enumerate(step.rotary):
+        alive += [cos.contiguous(), sin.contiguous()]
+        args.cos[i], args.sin[i] = alive[-2].data_ptr(), alive[-1].data_ptr()
+        args.rot_dim[i] = int(cos.shape[-1])
+    for i, window in enumerate(windows):
+        plan = step.plans[window].decodes[0]
+        assert isinstance(plan, KernelDecodePlan)  # CausalLM.forward checked
+        alive += [plan.tables.contiguous(), plan.lens.contiguous()]
+        args.tables[i], args.lens[i] = alive[-2].data_ptr(), alive[-1].data_ptr()
+        args.table_width[i] = int(alive[-2].shape[1])
+    return args, alive
 
 
 def _key(sources: tuple[object, ...]) -> tuple[int | None, ...]:

@@ -8,17 +8,19 @@ float32 logits for ``inputs.logits_rows`` only.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan
 from tgengine.models.config import ModelConfig
-from tgengine.models.fused_decode import decode_call
+from tgengine.models.fused_decode import decode_call, decode_step
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kernels import elementwise
-from tgengine.models.kernels.decode_layer import DecodeLayerCall
+from tgengine.models.kernels.decode_layer import DecodeLayerCall, run_layers
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import MLP, RMSNorm
 from tgengine.models.moe import SparseMoE
@@ -89,10 +91,6 @@ class DecoderLayer(nn.Module):
         by the norm after it (``RMSNorm.add_and_norm``, fused where it applies)."""
         # With tensor parallelism attention and the MLP return partial sums: one all-reduce
         # each completes them (no-ops at world size 1).
-        if step.decode_layers:
-            self._decode_call = decode_call(self, self._decode_call)
-            if self._decode_call is not None:
-                return self._run_decode_call(self._decode_call, x, residual, step, layer)
         reduce = self.parallel.all_reduce
         fused = step.fused
         h, residual = self.input_layernorm.add_and_norm(x, residual, fused=fused)
@@ -103,28 +101,6 @@ class DecoderLayer(nn.Module):
         residual = residual + self.post_attention_layernorm(attn)
         mlp = reduce(self._ffn_forward(self.pre_feedforward_layernorm(residual), step, fused))
         return self.post_feedforward_layernorm(mlp), residual
-
-    def _run_decode_call(
-        self,
-        call: DecodeLayerCall,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        step: StepContext,
-        layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = step.plans[self.self_attn.window].decodes[0]
-        assert isinstance(plan, KernelDecodePlan)  # CausalLM.forward checked
-        cos, sin = step.rotary[self.self_attn.rope_index]
-        return call.run(
-            x.contiguous(),
-            residual,
-            cos,
-            sin,
-            step.kv_cache.layer_heads(layer),
-            step.inputs.slot_mapping,
-            plan.tables.contiguous(),
-            plan.lens.contiguous(),
-        )
 
     def _ffn_forward(self, h: torch.Tensor, step: StepContext, fused: bool) -> torch.Tensor:
         ffn = self.ffn
@@ -179,6 +155,9 @@ class CausalLM(nn.Module):
         self.gemm = Gemm()
         self.use_kernels = True
         """Use tgengine's compiled CPU kernels where they apply (``models.kernels``)."""
+        # Every distinct attention window (None: full), in a fixed order: a one-call decode
+        # layer names its window's block tables by its place here.
+        self._windows = tuple(dict.fromkeys(config.window_of(i) for i in range(config.num_layers)))
         self.requires_grad_(False)
         self.weight_shards = shard_map(self)
         """``{parameter name: its Shard of the checkpoint's full tensor}``."""
@@ -187,6 +166,40 @@ class CausalLM(nn.Module):
         c = self.config
         groups = local_heads(c, self.parallel) // local_kv_heads(c, self.parallel)
         return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
+
+    def _layers(self, x: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's ``(output, residual stream)`` in turn; in a decode step, each run of
+        consecutive layers that qualify in one call (``models.fused_decode``)."""
+        layers = self.model.layers
+        calls = self._decode_calls() if step.decode_layers else [None] * len(layers)
+        decode_args = None
+        alive: list[torch.Tensor] = []  # what decode_args points into
+        residual: torch.Tensor | None = None
+        i = 0
+        while i < len(layers):
+            run = [call for call in itertools.takewhile(bool, calls[i:]) if call is not None]
+            if not run:
+                x, residual = layers[i](x, residual, step, i)
+                i += 1
+                continue
+            if decode_args is None:
+                decode_args, alive = decode_step(step, self._windows)
+            x, residual = run_layers(run, decode_args, x.contiguous(), residual)
+            i += len(run)
+        del alive
+        assert residual is not None
+        return x, residual
+
+    def _decode_calls(self) -> list[DecodeLayerCall | None]:
+        """Each layer's one-call decode (None where it does not qualify), kept on the layer
+        and made again when its weights moved."""
+        calls: list[DecodeLayerCall | None] = []
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            plan = self._windows.index(layer.self_attn.window)
+            layer._decode_call = decode_call(layer, i, plan, layer._decode_call)
+            calls.append(layer._decode_call)
+        return calls
 
     def linear_weights(self) -> list[LinearWeights]:
         """Every linear product's weight, the output head's last (tied or not)."""
@@ -208,10 +221,9 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         rotary = [r.cos_sin(inputs.positions, x.dtype) for r in self.rotary]
         use_kernel = self.use_kernels and self._kernel_fits(kv_cache)
-        windows = {c.window_of(i) for i in range(c.num_layers)}
         plans = {
             w: AttentionPlan.build(inputs, kv_cache.block_size, w, use_kernel=use_kernel)
-            for w in windows
+            for w in self._windows
         }
         fused = self.use_kernels and elementwise.applies(x)
         # A decode-only step attended by the paged kernel: whole layers in one call each.
@@ -222,9 +234,7 @@ class CausalLM(nn.Module):
         step = StepContext(
             inputs, plans, kv_cache, rotary, self.gemm, fused=fused, decode_layers=decode_layers
         )
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, step, i)
+        x, residual = self._layers(x, step)
         if inputs.logits_rows is not None:
             x = x[inputs.logits_rows]
             residual = None if residual is None else residual[inputs.logits_rows]

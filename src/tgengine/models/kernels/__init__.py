@@ -100,7 +100,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_act_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_int]
-    lib.tg_decode_layer.restype = ctypes.c_int  # takes a pointer to decode_layer's struct
+    fn = lib.tg_decode_layers  # decode_layer.py's structures
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
     return lib
 
 

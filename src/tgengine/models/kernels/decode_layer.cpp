@@ -1,7 +1,8 @@
-// One decoder layer of a decode step (one query row per sequence), start to end in one call:
-// the layer's Python forward makes some nine kernel calls and as many small allocations, whose
-// dispatch at batch 1 costs a tenth of the step. Runs the same kernels, in the same order,
-// with the same rounding (so its results are the unfused path's, bit for bit):
+// Decoder layers of a decode step (one query row per sequence), a run of consecutive layers in
+// one call: each layer's Python forward makes some nine kernel calls and as many small
+// allocations, and even one call per layer cost a quarter of a one-sequence step in Python.
+// Runs the same kernels, in the same order, with the same rounding (so its results are the
+// unfused path's, bit for bit). Each layer:
 //   h = norm(residual += x)          tg_add_rms_norm (layer 0: residual = x, no add)
 //   qkv = h @ Wqkv.T (+ bias)        tg_panel_linear
 //   rotate q, k; store k, v          tg_rope_store_kv
@@ -36,21 +37,33 @@ int tg_act_mul(int dtype, int act, const void* gate_up, int64_t rows, int64_t in
                int threads);
 }
 
-// Mirrored field for field by kernels/decode_layer.py's ctypes Structure.
+// Mirrored field for field by kernels/decode_layer.py's ctypes Structures.
+// A layer's fixed arguments (made once per layer and weight version):
 struct DecodeLayer {
-  int64_t dtype, threads, act, unit_offset;
-  int64_t rows, hidden, num_heads, num_kv_heads, head_dim, rot_dim, inter;
-  int64_t num_blocks, block_size, table_width, window;
+  int64_t dtype, act, unit_offset, hidden, num_heads, num_kv_heads, head_dim, inter, window;
+  int64_t layer;  // its index in the KV cache
+  int64_t rope;   // which of the step's cos/sin it rotates with
+  int64_t plan;   // which of the step's block tables it attends with (one per window)
   float eps, scale;
-  void* x;         // [rows, hidden]: the previous sublayer's output (or the embeddings)
-  void* residual;  // [rows, hidden] or null (layer 0: x is the residual stream)
   const void *input_norm, *post_norm;
   const void *qkv_panels, *qkv_bias, *o_panels, *gate_up_panels, *down_panels;
   const void *qkv_scales, *o_scales, *gate_up_scales, *down_scales;  // int8 panels' (or null)
-  const void *cos, *sin;  // [rows, rot_dim]
-  void* cache;            // this layer's [2][num_kv_heads][num_blocks * block_size][head_dim]
-  const int64_t *slot_mapping, *tables, *lens;
-  void* out;  // [rows, hidden]: the MLP's output, to be added to the residual stream
+};
+
+constexpr int kKinds = 4;  // RoPEs and block-table plans a step may hold
+
+// The step's arguments, shared by its layers:
+struct DecodeStep {
+  int64_t threads, rows, num_blocks, block_size;
+  int64_t layer_stride;  // elements from one layer's cache to the next
+  void* cache;           // layer 0's [2][num_kv_heads][num_blocks * block_size][head_dim]
+  const int64_t* slot_mapping;
+  const void* cos[kKinds];  // [rows, rot_dim[i]] each
+  const void* sin[kKinds];
+  const int64_t* tables[kKinds];  // [rows, table_width[i]]
+  const int64_t* lens[kKinds];    // [rows]
+  int64_t rot_dim[kKinds];
+  int64_t table_width[kKinds];
 };
 
 namespace {
@@ -62,33 +75,37 @@ int panel_product(int dtype, const void* x, int64_t m, int64_t k, const void* pa
   return tg_panel_linear(dtype, x, m, k, panels, n, bias, out, threads);
 }
 
-}  // namespace
-
-extern "C" int tg_decode_layer(const DecodeLayer* L) {
-  const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(L->threads);
-  const int64_t rows = L->rows, hidden = L->hidden, d = L->head_dim;
+// One layer: reads x (and residual: null means x is the residual stream, the first layer),
+// adds into the stream, writes the MLP's output to out (which may be x: read first).
+int decode_layer(const DecodeLayer* L, const DecodeStep* S, void* x, void* residual_in,
+                 void* out) {
+  const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(S->threads);
+  const int64_t rows = S->rows, hidden = L->hidden, d = L->head_dim;
+  if (L->rope < 0 || L->rope >= kKinds || L->plan < 0 || L->plan >= kKinds) return 1;
   const int64_t q_size = L->num_heads * d, qkv_size = (L->num_heads + 2 * L->num_kv_heads) * d;
   const size_t elem = 2;  // bf16 / fp16
+  void* cache = static_cast<char*>(S->cache) + L->layer * S->layer_stride * elem;
   std::vector<char> h(rows * hidden * elem), qkv(rows * qkv_size * elem),
       q(rows * q_size * elem), attn(rows * q_size * elem), o(rows * hidden * elem),
       gate_up(rows * 2 * L->inter * elem), inner(rows * L->inter * elem);
   // Layer 0 only norms its input, which is then the residual stream the later add writes.
-  int status = tg_add_rms_norm(dtype, L->x, L->residual, L->input_norm, rows, hidden, L->eps,
+  int status = tg_add_rms_norm(dtype, x, residual_in, L->input_norm, rows, hidden, L->eps,
                                L->unit_offset, h.data(), threads);
-  void* residual = L->residual ? L->residual : L->x;
+  void* residual = residual_in ? residual_in : x;
   if (status) return 100 + status;
   status = panel_product(dtype, h.data(), rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
                          L->qkv_bias, qkv.data(), threads);
   if (status) return 200 + status;
-  status = tg_rope_store_kv(dtype, qkv.data(), rows, L->num_heads, L->num_kv_heads, d, L->cos,
-                            L->sin, L->rot_dim, L->cache, L->num_blocks * L->block_size,
-                            L->slot_mapping, threads);
+  status = tg_rope_store_kv(dtype, qkv.data(), rows, L->num_heads, L->num_kv_heads, d,
+                            S->cos[L->rope], S->sin[L->rope], S->rot_dim[L->rope], cache,
+                            S->num_blocks * S->block_size, S->slot_mapping, threads);
   if (status) return 300 + status;
   for (int64_t r = 0; r < rows; ++r)  // the queries of each row, contiguous
     std::memcpy(q.data() + r * q_size * elem, qkv.data() + r * qkv_size * elem, q_size * elem);
-  status = tg_paged_decode(dtype, q.data(), L->cache, L->tables, L->lens, attn.data(), rows,
-                           L->num_heads, L->num_kv_heads, L->num_blocks, L->block_size, d,
-                           L->table_width, L->window, L->scale, threads);
+  status = tg_paged_decode(dtype, q.data(), cache, S->tables[L->plan], S->lens[L->plan],
+                           attn.data(), rows, L->num_heads, L->num_kv_heads, S->num_blocks,
+                           S->block_size, d, S->table_width[L->plan], L->window, L->scale,
+                           threads);
   if (status) return 400 + status;
   status = panel_product(dtype, attn.data(), rows, q_size, L->o_panels, L->o_scales, hidden,
                          nullptr, o.data(), threads);
@@ -103,6 +120,23 @@ extern "C" int tg_decode_layer(const DecodeLayer* L) {
                       inner.data(), threads);
   if (status) return 800 + status;
   status = panel_product(dtype, inner.data(), rows, L->inter, L->down_panels, L->down_scales,
-                         hidden, nullptr, L->out, threads);
+                         hidden, nullptr, out, threads);
   return status ? 900 + status : 0;
+}
+
+}  // namespace
+
+// ``count`` consecutive layers: the first reads x and residual (null: x is the residual
+// stream, written in place), each next one the output of the one before; every layer's
+// output goes to out (separate from x). 0, or 1000 * (layer + 1) + the failing kernel's code.
+extern "C" int tg_decode_layers(const DecodeLayer* const* layers, int64_t count,
+                                const DecodeStep* step, void* x, void* residual, void* out) {
+  if (count < 1 || x == out) return 1;
+  void* stream = residual ? residual : x;
+  for (int64_t i = 0; i < count; ++i) {
+    const int status = i == 0 ? decode_layer(layers[0], step, x, residual, out)
+                              : decode_layer(layers[i], step, out, stream, out);
+    if (status) return static_cast<int>(1000 * (i + 1) + status);
+  }
+  return 0;
 }

@@ -1,9 +1,11 @@
-"""A whole decoder layer of a decode step in one compiled call (``decode_layer.cpp``).
+"""Runs of decoder layers of a decode step in one compiled call (``decode_layer.cpp``).
 
-The layer's Python forward makes some nine kernel calls per step; at batch 1 their dispatch
-and allocations cost about a tenth of the step. ``DecodeLayerCall`` prepares, once per
-layer and weight version, what the call reads (the packed weights, the norms, the sizes), and
-``run`` fills in the step's tensors and makes the one call. Same kernels, same order, same
+A layer's Python forward makes some nine kernel calls per step; at batch 1 their dispatch
+and allocations cost about a tenth of the step, and even one call per layer left a quarter
+of a one-sequence step in Python. ``DecodeLayerCall`` prepares, once per layer and weight
+version, what a layer's call reads (the packed weights, the norms, the sizes); a
+``DecodeStep`` holds what the step gives every layer (its cos/sin, block tables, the cache);
+``run_layers`` makes one call for consecutive layers. Same kernels, same order, same
 rounding: the results equal the unfused path's (a test compares them).
 """
 
@@ -21,26 +23,26 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
+KINDS = 4  # RoPEs and block-table plans one step may hold (decode_layer.cpp's kKinds)
+
+
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [
         *[
             (name, _I64)
             for name in (
                 "dtype",
-                "threads",
                 "act",
                 "unit_offset",
-                "rows",
                 "hidden",
                 "num_heads",
                 "num_kv_heads",
                 "head_dim",
-                "rot_dim",
                 "inter",
-                "num_blocks",
-                "block_size",
-                "table_width",
                 "window",
+                "layer",
+                "rope",
+                "plan",
             )
         ],
         ("eps", ctypes.c_float),
@@ -48,8 +50,6 @@ class _DecodeLayer(ctypes.Structure):
         *[
             (name, _PTR)
             for name in (
-                "x",
-                "residual",
                 "input_norm",
                 "post_norm",
                 "qkv_panels",
@@ -61,15 +61,24 @@ class _DecodeLayer(ctypes.Structure):
                 "o_scales",
                 "gate_up_scales",
                 "down_scales",
-                "cos",
-                "sin",
-                "cache",
-                "slot_mapping",
-                "tables",
-                "lens",
-                "out",
             )
         ],
+    ]
+
+
+class DecodeStep(ctypes.Structure):
+    """The step's arguments every layer call reads (``decode_layer.cpp``'s ``DecodeStep``)."""
+
+    _fields_ = [
+        *[(name, _I64) for name in ("threads", "rows", "num_blocks", "block_size", "layer_stride")],
+        ("cache", _PTR),
+        ("slot_mapping", _PTR),
+        ("cos", _PTR * KINDS),
+        ("sin", _PTR * KINDS),
+        ("tables", _PTR * KINDS),
+        ("lens", _PTR * KINDS),
+        ("rot_dim", _I64 * KINDS),
+        ("table_width", _I64 * KINDS),
     ]
 
 
@@ -98,6 +107,9 @@ class DecodeLayerCall:
         inter: int,
         scale: float,
         window: int | None,
+        layer: int,
+        rope: int,
+        plan: int,
     ) -> None:
         self.key = tuple(key)
         self.sources = tuple(sources)
@@ -117,6 +129,9 @@ class DecodeLayerCall:
             head_dim=head_dim,
             inter=inter,
             window=window or 0,
+            layer=layer,
+            rope=rope,
+            plan=plan,
             eps=eps,
             scale=scale,
             input_norm=norms[0].data_ptr(),
@@ -132,44 +147,32 @@ class DecodeLayerCall:
             down_scales=down_s,
         )
 
-    def run(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream)`` of the layer, as ``DecoderLayer.forward``.
 
-        ``x`` and ``residual`` ``[rows, hidden]`` contiguous (``residual`` None for the first
-        layer: ``x`` is then the stream, and is written in place like ``residual``);
-        ``cache`` this layer's ``[2, Hkv, num_blocks, block_size, D]``; ``tables`` ``[rows,
-        W]`` and ``lens`` ``[rows]`` int64, contiguous, as ``kernels.paged_decode``.
-        """
-        args = self.args
-        out = torch.empty_like(x)
-        args.threads = torch.get_num_threads()
-        args.rows = x.shape[0]
-        args.rot_dim = cos.shape[-1]
-        args.num_blocks = cache.shape[2]
-        args.block_size = cache.shape[3]
-        args.table_width = tables.shape[1]
-        args.x = x.data_ptr()
-        args.residual = None if residual is None else residual.data_ptr()
-        args.cos = cos.data_ptr()
-        args.sin = sin.data_ptr()
-        args.cache = cache.data_ptr()
-        args.slot_mapping = slot_mapping.data_ptr()
-        args.tables = tables.data_ptr()
-        args.lens = lens.data_ptr()
-        args.out = out.data_ptr()
-        lib = kernels.load()
-        assert lib is not None
-        status = lib.tg_decode_layer(ctypes.byref(args))
-        if status != 0:
-            raise RuntimeError(f"tg_decode_layer refused the step (status {status})")
-        return out, (x if residual is None else residual)
+def run_layers(
+    calls: Sequence[DecodeLayerCall],
+    step: DecodeStep,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mlp output, residual stream)`` after the consecutive layers ``calls``, as their
+    ``DecoderLayer.forward`` one after the other would give.
+
+    ``x`` and ``residual`` ``[rows, hidden]`` contiguous (``residual`` None before the first
+    layer: ``x`` is then the stream, and is written in place like ``residual``); ``step``
+    filled by ``fused_decode.decode_step`` for this forward, its tensors still alive.
+    """
+    out = torch.empty_like(x)
+    layers = (ctypes.POINTER(_DecodeLayer) * len(calls))(*[ctypes.pointer(c.args) for c in calls])
+    lib = kernels.load()
+    assert lib is not None
+    status = lib.tg_decode_layers(
+        layers,
+        len(calls),
+        ctypes.byref(step),
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise RuntimeError(f"tg_decode_layers refused the step (status {status})")
+    return out, (x if residual is None else residual)
