@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from test_model_fast_paths import _prefill_then_decode, _prompts
-from tgengine.models import llama, load_model, load_model_config
+from tgengine.models import fused_decode, llama, load_model, load_model_config
 from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
 from tgengine.models.kernels.decode_layer import DecodeLayerCall, DecodeStep
@@ -214,15 +214,19 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     norm.weight.data = torch.randn(norm.weight.shape).to(dtype)
     updated = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert len(runs) == 2
-    one_call = llama.decode_call
-    monkeypatch.setattr(llama, "decode_call", lambda *args: None)
+    one_call = fused_decode.decode_call
+    monkeypatch.setattr(fused_decode, "decode_call", lambda *args: None)
+    model.decode_calls.clear()
     want = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert len(runs) == 2, "the layer-by-layer path made no call"
     assert torch.equal(updated, want), "same kernels in the same order: the same bits"
     # A layer that does not qualify splits the others into runs around it.
     monkeypatch.setattr(
-        llama, "decode_call", lambda layer, i, *args: None if i == 1 else one_call(layer, i, *args)
+        fused_decode,
+        "decode_call",
+        lambda layer, i, *args: None if i == 1 else one_call(layer, i, *args),
     )
+    model.decode_calls.clear()
     split = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert config.num_layers == 3 and runs[2:] == [(1, len(prompts))] * 2
     assert torch.equal(split, want)
@@ -238,7 +242,7 @@ def test_a_layer_call_keeps_no_weights_alive_and_follows_a_reload(tmp_path: Path
     prompts = _prompts(config.vocab_size, [5, 9, 2])
     before = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
     layer = model.model.layers[0]
-    assert layer._decode_call is not None, "the decode step made its layer calls"
+    assert all(model.decode_calls.current()), "the decode step made its layer calls"
     packed = layer.self_attn.qkv.packed
     assert packed is not None
     panels = weakref.ref(packed.data)

@@ -16,7 +16,7 @@ import torch
 
 from tgengine.models.attention import KernelDecodePlan
 from tgengine.models.fused import fused_rows
-from tgengine.models.gemm import LinearWeights, Panels
+from tgengine.models.gemm import Gemm, Panels
 from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep
 from tgengine.models.kernels.elementwise import ACTIVATIONS
 from tgengine.models.layers import MLP
@@ -26,21 +26,64 @@ if TYPE_CHECKING:
     from tgengine.models.self_attention import StepContext
 
 
-def decode_call(
-    layer: DecoderLayer, index: int, plan: int, cached: DecodeLayerCall | None
-) -> DecodeLayerCall | None:
-    """``cached`` if the layer's weights are still the ones it was made from, else a new call
-    (None where the layer does not qualify). ``index``: the layer's place in the KV cache;
-    ``plan``: which of ``decode_step``'s block tables its window attends with."""
-    if cached is not None and _key(cached.sources) == cached.key:
-        return cached
+class DecodeCalls:
+    """Every layer's one-call decode (None where a layer does not qualify), made once and
+    again whenever a weight it reads moved.
+
+    The calls hold pointers, not tensors (``sleep`` must be able to free the weights), so
+    ``current()`` checks, once per step, that nothing they point into moved: the packed
+    weights through ``Gemm.generation`` (bumped whenever a packed form is made or forgotten),
+    the norms and biases through their addresses. (Checked layer by layer, pointer by
+    pointer, the check cost 0.7 ms a step, more than the Python it saves.)
+    """
+
+    def __init__(
+        self, layers: Sequence[DecoderLayer], windows: Sequence[int | None], gemm: Gemm
+    ) -> None:
+        self._layers = list(layers)
+        self._windows = tuple(windows)
+        self._gemm = gemm
+        # The parameter dicts of the norms (their weights) and of the q/k/v projections
+        # (their biases; the weights are packed): a loader may replace a parameter object, a
+        # sleep its storage.
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
+        self._norms = [module._parameters for pair in norms for module in pair]
+        projs = [module for layer in layers for module in layer.self_attn._projs]
+        self._projs = [module._parameters for module in projs if module.bias is not None]
+        self._calls: list[DecodeLayerCall | None] = []
+        self._key: tuple[int | None, ...] | None = None
+
+    def current(self) -> list[DecodeLayerCall | None]:
+        key = self._where()
+        if key != self._key:
+            self._calls = [
+                decode_call(layer, i, self._windows.index(layer.self_attn.window))
+                for i, layer in enumerate(self._layers)
+            ]
+            self._key = key
+        return self._calls
+
+    def clear(self) -> None:
+        """Make the calls again at the next step."""
+        self._key = None
+
+    def _where(self) -> tuple[int | None, ...]:
+        return (
+            self._gemm.generation,
+            *[d["weight"].data_ptr() for d in self._norms],  # type: ignore[union-attr]
+            *[d["bias"].data_ptr() for d in self._projs],  # type: ignore[union-attr]
+        )
+
+
+def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall | None:
+    """The layer's call (None where it does not qualify). ``index``: the layer's place in the
+    KV cache; ``plan``: which of ``decode_step``'s block tables its window attends with."""
     attn, ffn = layer.self_attn, layer.ffn
     if layer.sandwich or layer.parallel.is_parallel or attn.q_norm is not None:
         return None
     if not isinstance(ffn, MLP) or ffn.act not in ACTIVATIONS:
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    sources = (attn.qkv, attn.o, ffn.gate_up, ffn.down, *norms, *attn._projs)
     packed = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
     panels = [p for p in packed if isinstance(p, Panels)]
     if len(panels) != len(packed):
@@ -52,8 +95,6 @@ def decode_call(
     if attn._projs[0].bias is not None:
         bias = fused_rows([p.bias for p in attn._projs if p.bias is not None]).to(dtype)
     return DecodeLayerCall(
-        key=_key(sources),
-        sources=sources,
         dtype=dtype,
         weights=[p.data for p in panels],
         scales=[p.scales for p in panels],
@@ -104,24 +145,3 @@ def decode_step(
         args.tables[i], args.lens[i] = alive[-2].data_ptr(), alive[-1].data_ptr()
         args.table_width[i] = int(alive[-2].shape[1])
     return args, alive
-
-
-def _key(sources: tuple[object, ...]) -> tuple[int | None, ...]:
-    """Where the call's pointers point: each product's panels, the norms' and the biases'
-    storage. The call keeps none of them alive (a sleep must free them), so a new tensor
-    found at an old address is the memory the pointer reads: the call stays right."""
-    key: list[int | None] = []
-    for source in sources:
-        if isinstance(source, LinearWeights):
-            packed = source.packed
-            if isinstance(packed, Panels):
-                scales = packed.scales
-                key += [packed.data.data_ptr(), None if scales is None else scales.data_ptr()]
-            else:
-                key.append(None)
-        else:  # a module: its parameters' dict, without nn.Module's slow attribute lookup
-            params = source._parameters  # type: ignore[attr-defined]
-            for name in ("weight", "bias"):
-                param = params.get(name)
-                key.append(None if param is None else param.data_ptr())
-    return tuple(key)

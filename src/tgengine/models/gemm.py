@@ -154,6 +154,8 @@ class Gemm:
         # A running total, so that other threads read it while the worker packs or unpacks.
         self.packed_bytes = 0
         """Host memory the packed weights take (the plain ones they replaced are freed)."""
+        self.generation = 0
+        """Counts the packed forms made and forgotten: a new value means some moved."""
 
     def linear(
         self,
@@ -224,6 +226,7 @@ class Gemm:
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
         weights.packed = packed
         self.packed_bytes += _nbytes(packed)
+        self.generation += 1
 
     def unpack(self, weights: LinearWeights) -> None:
         """Give the parameters their plain values back (exact; int8 panels: dequantized) and
@@ -245,6 +248,7 @@ class Gemm:
         if weights.packed is not None:
             self.packed_bytes -= _nbytes(weights.packed)
             weights.packed = None
+            self.generation += 1
 
 
 def _upcast_linear(

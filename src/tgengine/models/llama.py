@@ -9,6 +9,7 @@ float32 logits for ``inputs.logits_rows`` only.
 from __future__ import annotations
 
 import itertools
+from typing import cast
 
 import torch
 from torch import nn
@@ -16,11 +17,11 @@ from torch import nn
 from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan
 from tgengine.models.config import ModelConfig
-from tgengine.models.fused_decode import decode_call, decode_step
+from tgengine.models.fused_decode import DecodeCalls, decode_step
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kernels import elementwise
-from tgengine.models.kernels.decode_layer import DecodeLayerCall, run_layers
+from tgengine.models.kernels.decode_layer import run_layers
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import MLP, RMSNorm
 from tgengine.models.moe import SparseMoE
@@ -69,7 +70,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
         self.sandwich = config.sandwich_norms
-        self._decode_call: DecodeLayerCall | None = None
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=offset)
@@ -158,6 +158,10 @@ class CausalLM(nn.Module):
         # Every distinct attention window (None: full), in a fixed order: a one-call decode
         # layer names its window's block tables by its place here.
         self._windows = tuple(dict.fromkeys(config.window_of(i) for i in range(config.num_layers)))
+        self.decode_calls = DecodeCalls(
+            [cast(DecoderLayer, layer) for layer in self.model.layers], self._windows, self.gemm
+        )
+        """Each layer's one-call decode (``models.fused_decode``)."""
         self.requires_grad_(False)
         self.weight_shards = shard_map(self)
         """``{parameter name: its Shard of the checkpoint's full tensor}``."""
@@ -171,7 +175,7 @@ class CausalLM(nn.Module):
         """Every layer's ``(output, residual stream)`` in turn; in a decode step, each run of
         consecutive layers that qualify in one call (``models.fused_decode``)."""
         layers = self.model.layers
-        calls = self._decode_calls() if step.decode_layers else [None] * len(layers)
+        calls = self.decode_calls.current() if step.decode_layers else [None] * len(layers)
         decode_args = None
         alive: list[torch.Tensor] = []  # what decode_args points into
         residual: torch.Tensor | None = None
@@ -189,17 +193,6 @@ class CausalLM(nn.Module):
         del alive
         assert residual is not None
         return x, residual
-
-    def _decode_calls(self) -> list[DecodeLayerCall | None]:
-        """Each layer's one-call decode (None where it does not qualify), kept on the layer
-        and made again when its weights moved."""
-        calls: list[DecodeLayerCall | None] = []
-        for i, layer in enumerate(self.model.layers):
-            assert isinstance(layer, DecoderLayer)
-            plan = self._windows.index(layer.self_attn.window)
-            layer._decode_call = decode_call(layer, i, plan, layer._decode_call)
-            calls.append(layer._decode_call)
-        return calls
 
     def linear_weights(self) -> list[LinearWeights]:
         """Every linear product's weight, the output head's last (tied or not)."""

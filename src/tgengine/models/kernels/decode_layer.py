@@ -84,15 +84,13 @@ class DecodeStep(ctypes.Structure):
 
 class DecodeLayerCall:
     """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form, or
-    ``kernels.quantize_panels``' int8 panels with their scales), norms and sizes. ``key``
-    identifies the weights it was made from, ``sources`` where they live; make a new one
-    when they change (an update or a wakeup repacks them)."""
+    ``kernels.quantize_panels``' int8 panels with their scales), norms and sizes, as
+    pointers; make a new one when they move (an update or a wakeup repacks them:
+    ``fused_decode.DecodeCalls``)."""
 
     def __init__(
         self,
         *,
-        key: Sequence[object],
-        sources: Sequence[object],
         dtype: torch.dtype,
         weights: Sequence[torch.Tensor],  # qkv, o, gate_up, down panels
         scales: Sequence[torch.Tensor | None],  # their row scales where they are int8
@@ -111,11 +109,8 @@ class DecodeLayerCall:
         rope: int,
         plan: int,
     ) -> None:
-        self.key = tuple(key)
-        self.sources = tuple(sources)
-        """What ``key`` was computed from (the caller recomputes it to see a change)."""
-        # The weights are not kept alive (``sleep`` must be able to free them: ``key``
-        # tells when they move); the bias may be a converted copy, kept.
+        # The weights are not kept alive (``sleep`` must be able to free them); the bias may
+        # be a converted copy, kept.
         self._bias = qkv_bias
         qkv, o, gate_up, down = weights
         qkv_s, o_s, gate_up_s, down_s = (None if s is None else s.data_ptr() for s in scales)
