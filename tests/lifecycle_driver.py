@@ -31,6 +31,8 @@ from tgengine.request_stats import RequestStats
 from lifecycle_model import RequestModel
 
 BOUND = 30.0  # seconds: any single call, and the final drain, must finish within it
+MIN_RSS = 16 << 20  # bytes: a process with torch loaded holds far more
+RSS_SLACK = 1 << 20  # bytes: the peak as getrusage and /proc report it, read apart in time
 DUE = 10.0  # seconds: a request a call ended must have its terminal chunk by then (ms, really)
 
 
@@ -133,7 +135,8 @@ class EngineDriver:
         assert num_batched_tokens > 0
 
     def observer_problems(self) -> list[str]:
-        """Observers hear of every ended request once, with times in order and its counts."""
+        """Observers hear of every ended request once (all its ``n`` sequences ended), with
+        times in order and its counts (tokens: over its sequences, and its longest's)."""
         problems = []
         for s in self.finished_stats:
             times = [s.arrival_time, s.scheduled_time, s.first_token_time, s.last_token_time]
@@ -141,19 +144,34 @@ class EngineDriver:
             generated = s.num_generation_tokens > 0
             if known != sorted(known) or (s.first_token_time is not None) != generated:
                 problems.append(f"request stats out of order: {s}")
-            if (s.last_token_time is not None) != generated or s.n != 1:
+            if (s.last_token_time is not None) != generated:
                 problems.append(f"request stats: {s}")
-            if s.num_generation_tokens != s.max_num_generation_tokens or (
-                s.num_generation_tokens > s.max_tokens
+            longest = s.max_num_generation_tokens
+            if s.max_num_generation_tokens > s.max_tokens or not (
+                longest <= s.num_generation_tokens <= s.n * longest
             ):
                 problems.append(f"request stats count more tokens than asked: {s}")
         if not self.inside:
             return problems
-        if len(self.finished_stats) != len(self.engine_reasons):
-            problems.append(f"{len(self.finished_stats)} told, {len(self.engine_reasons)} ended")
-        ended = [r for r in self.engine_requests if r.finished]
-        told = sorted((s.num_prompt_tokens, s.num_generation_tokens) for s in self.finished_stats)
-        want = sorted((r.seq.num_prompt_tokens, r.seq.num_completion_tokens) for r in ended)
+        groups: dict[str, list[Any]] = {}
+        for r in self.engine_requests:
+            groups.setdefault(r.public_id, []).append(r)
+        ended = [g for g in groups.values() if all(r.finished for r in g)]
+        if len(self.finished_stats) != len(ended):
+            problems.append(f"{len(self.finished_stats)} told, {len(ended)} ended")
+        told = sorted(
+            (s.n, s.num_prompt_tokens, s.num_generation_tokens, s.max_num_generation_tokens)
+            for s in self.finished_stats
+        )
+        want = sorted(
+            (
+                len(g),
+                g[0].seq.num_prompt_tokens,
+                sum(r.seq.num_completion_tokens for r in g),
+                max(r.seq.num_completion_tokens for r in g),
+            )
+            for g in ended
+        )
         if told != want:
             problems.append(f"observers were told {told}, the ended requests are {want}")
         return problems
@@ -164,58 +182,81 @@ class EngineDriver:
         """The requests the engine has not ended (for the engine process: as far as this
         process knows; the end may be on its way)."""
         if not self.inside:
-            return set(self.engine._requests._keys_by_id)
+            public = set(self.engine._requests._keys_by_id)
+            return {r.request_id for r in self.requests if r.public_id in public and not r.seen_end}
         tracker = self.engine._loop.tracker
         return set(tracker.requests) if tracker is not None else set()
 
     def admit(
-        self, tg: anyio.abc.TaskGroup, req: RequestModel, prompt: list[int], params: SamplingParams
+        self,
+        tg: anyio.abc.TaskGroup,
+        members: list[RequestModel],
+        prompt: list[int],
+        params: SamplingParams,
     ) -> Exception | None:
-        """Submit ``req``; on admission, start its consumer. Returns the admission error."""
+        """Submit one request (``members``: the model of each of its ``n`` sequences); on
+        admission, start its consumer. Returns the admission error."""
 
         async def start() -> Exception | None:
             try:
-                stream = self.engine.generate(prompt, params, request_id=req.request_id)
+                stream = self.engine.generate(prompt, params, request_id=members[0].public_id)
             except Exception as exc:
                 return exc
-            req.done, req.scope = anyio.Event(), anyio.CancelScope()
-            req.engine_known = self.inside
-            self.requests.append(req)
+            done, scope = anyio.Event(), anyio.CancelScope()  # one stream, one consumer
+            for req in members:
+                req.done, req.scope = done, scope
+                req.engine_known = self.inside
+                self.requests.append(req)
+                if self.inside:
+                    self.engine_requests.append(self.engine._loop.tracker.get(req.request_id))
             self.prompt_tokens += len(prompt)
-            if self.inside:
-                self.engine_requests.append(self.engine._loop.tracker.get(req.request_id))
-            tg.start_soon(self._consume, req, [stream])
+            tg.start_soon(self._consume, members, [stream])
             return None
 
         result: Exception | None = self.portal.call(start)
         return result
 
-    async def _consume(self, req: RequestModel, holder: list[Any]) -> None:
-        with req.scope:
-            await self._read(req, holder)  # its frame, holding the only reference, is gone
-        if req.scope.cancelled_caught:
-            req.cancelled = True
-        if req.broke or req.cancelled:
-            req.gone_at_once = self._gone(req.request_id)
-        req.done.set()
+    async def _consume(self, members: list[RequestModel], holder: list[Any]) -> None:
+        scope = members[0].scope
+        with scope:
+            await self._read(members, holder)  # its frame, holding the only reference, is gone
+        gone = self._gone(members)
+        for req in members:
+            req.cancelled = req.cancelled or scope.cancelled_caught
+            if req.broke or req.cancelled:
+                req.gone_at_once = gone
+        members[0].done.set()
 
-    async def _read(self, req: RequestModel, holder: list[Any]) -> None:
+    async def _read(self, members: list[RequestModel], holder: list[Any]) -> None:
         stream = holder.pop()
+        by_index = {req.index: req for req in members}
+        num_chunks = 0
         async for chunk in stream:
+            num_chunks += 1
+            req = by_index[chunk.index]
             req.chunks.append(chunk)
-            if chunk.finish_reason is not None and not self.inside:
-                req.engine_reason = self.engine_reasons[req.request_id] = chunk.finish_reason
-            if chunk.finish_reason is None and len(req.chunks) == req.break_after:
-                req.broke = True
-                req.may_end("abort")
-                break  # dropping the stream must abort the request
+            if chunk.finish_reason is not None:
+                req.seen_end = True
+                if not self.inside:
+                    req.engine_reason = self.engine_reasons[req.request_id] = chunk.finish_reason
+            if chunk.finish_reason is None and num_chunks == req.break_after:
+                for other in members:
+                    other.broke = True
+                    if not other.seen_end:
+                        other.may_end("abort")
+                break  # dropping the stream must abort the request (all its sequences)
 
-    def _gone(self, request_id: str) -> bool:
+    def _gone(self, members: list[RequestModel]) -> bool:
+        """Whether the engine has let go of every sequence of the request."""
         if not self.inside:
-            return request_id not in self.engine._requests._keys_by_id
+            return members[0].public_id not in self.engine._requests._keys_by_id
         tracker, scheduler = self.engine._loop.tracker, self.engine._loop.scheduler
-        in_tracker = tracker is not None and tracker.get(request_id) is not None
-        return not in_tracker and (scheduler is None or scheduler.get(request_id) is None)
+        for req in members:
+            if tracker is not None and tracker.get(req.request_id) is not None:
+                return False
+            if scheduler is not None and scheduler.get(req.request_id) is not None:
+                return False
+        return True
 
     def cancel_consumer(self, req: RequestModel) -> None:
         self.run_sync(req.scope.cancel)
@@ -349,9 +390,26 @@ class EngineDriver:
         return problems
 
     def memory_problems(self, weights: bool, kv_cache: bool, host: bool) -> list[str]:
-        """Bytes held exactly when the model says so, and then always the same amount."""
+        """Bytes held exactly when the model says so, and then always the same amount; the
+        process's resident memory in bytes, its peak at least its current figure (``uni``:
+        this very process, whose peak is the kernel's high-water mark, ``VmHWM``)."""
         problems = []
-        for stats in self.engine.memory_stats().values():
+        peak_before = proc_status_bytes("VmHWM")
+        memory = self.engine.memory_stats()
+        peak_after, rss_now = proc_status_bytes("VmHWM"), proc_status_bytes("VmRSS")
+        for stats in memory.values():
+            rss, peak = stats.rss_bytes, stats.peak_rss_bytes
+            if not MIN_RSS <= rss <= peak:
+                problems.append(f"resident memory {rss} bytes, peak {peak}")
+            if self.kind == "uni" and not (
+                peak_before - RSS_SLACK <= peak <= peak_after + RSS_SLACK
+                and rss <= peak_after + RSS_SLACK
+                and rss_now / 2 <= rss <= 2 * rss_now
+            ):
+                problems.append(
+                    f"resident memory {rss}, peak {peak} bytes; this process: {rss_now}, "
+                    f"peak {peak_before}..{peak_after}"
+                )
             held = {
                 "weights": (weights, stats.weights_bytes),
                 "kv_cache": (kv_cache, stats.kv_cache_bytes),
@@ -366,6 +424,14 @@ class EngineDriver:
                 if not got or got != first:
                     problems.append(f"{name}: {got} bytes held, {first} expected")
         return problems
+
+
+def proc_status_bytes(field: str) -> int:
+    """A figure of /proc/self/status (kB there) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 def prefix_problems(bm: Any, running: list[Any]) -> list[str]:

@@ -163,6 +163,11 @@ class RequestModel:
     constraint: str | None = None  # structured outputs: a kind of structured_helpers.CASES
     eos_ids: frozenset[int] = frozenset()  # the tokens that end a constrained request
     logprobs: bool = False  # it asked for log probabilities, of its tokens and its prompt
+    public_id: str = ""  # the id it was submitted under ("": request_id; n > 1: "{id}#{index}")
+    index: int = 0  # its sequence's index among the request's n
+    seed: int | None = None  # sampled (temperature > 0) with this seed (its sequence's: seed + i)
+    temperature: float = 0.0
+    seen_end: bool = False  # its consumer has seen its terminal chunk
     allowed: set[str] = field(default_factory=set)
     error_kinds: set[str] = field(default_factory=set)
     must_end: bool = False  # a call ended it: its terminal chunk is due now
@@ -178,6 +183,7 @@ class RequestModel:
 
     def __post_init__(self) -> None:
         self.allowed |= self.natural_reasons()
+        self.public_id = self.public_id or self.request_id
 
     def natural_reasons(self) -> set[str]:
         return {"length", "stop"} if self.stop_ids() else {"length"}
@@ -190,7 +196,11 @@ class RequestModel:
 
     @property
     def reference_key(self) -> Any:
-        """Its tokens' key in the machine's reference: the prompt, and the constraint."""
+        """Its tokens' key in the machine's reference: the prompt, and the constraint or the
+        seed and temperature it samples with."""
+        if self.temperature > 0:
+            assert self.seed is not None  # an unseeded sampled request has no reference
+            return (self.prompt, self.seed, self.temperature)
         return self.prompt if self.constraint is None else (self.prompt, self.constraint)
 
     def may_end(self, reason: str, error_kind: str | None = None, *, now: bool = True) -> None:
@@ -226,10 +236,11 @@ def check_outcome(
     where = (
         f"{req.request_id} (allowed {sorted(req.allowed)}, errors {sorted(req.error_kinds)}, "
         f"weights {req.weights}, prompt {req.prompt}, max_tokens {req.max_tokens}, "
-        f"stop {req.stop_token}, constraint {req.constraint}, tokens {tokens}, "
+        f"stop {req.stop_token}, constraint {req.constraint}, seed {req.seed}, "
+        f"temperature {req.temperature}, tokens {tokens}, "
         f"reasons {reasons}, engine {req.engine_reason})"
     )
-    assert all(c.request_id == req.request_id for c in chunks), where
+    assert all(c.request_id == req.public_id and c.index == req.index for c in chunks), where
     versions = [c.weight_version for c in chunks]
     assert versions == sorted(versions) and all(v <= version for v in versions), (where, versions)
     unseen = req.engine_reason is None and not req.engine_known  # a consumer that left early

@@ -1,13 +1,15 @@
-"""The lifecycle machine's sampling features: structured outputs and log probabilities.
+"""The lifecycle machine's sampling features: structured outputs, log probabilities, seeds.
 
 References are computed once per weight set with transformers: greedy tokens under a
 constraint (the grammar's allowed tokens, read from the matcher's bitmask, applied to
-transformers' logits), and the log probabilities of every prompt token and every greedy
-token. ``check_sampling`` holds an ended request's chunks against them: a constrained
-request's tokens all fit its grammar and a complete one's text matches the constraint;
-a request that asked for log probabilities has one per token (the greedy token the most
-likely), its prompt's once, with its first token, and, where the weights it ran on are
-known, both equal transformers'.
+transformers' logits); the log probabilities of every prompt token and every greedy
+token; the tokens of a seeded sampled request (the sampler's exponential race, its noise
+drawn from a generator seeded with the sequence's seed). ``check_sampling`` holds an
+ended request's chunks against them: a constrained request's tokens all fit its grammar
+and a complete one's text matches the constraint; a request that asked for log
+probabilities has one per token (the greedy token the most likely), its prompt's once,
+with its first token, and, where the weights it ran on are known, both equal
+transformers'.
 """
 
 from __future__ import annotations
@@ -88,6 +90,31 @@ def constrained_greedy(
         if best - second < MIN_MARGIN:
             return None
         tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def sampled_reference(
+    model_dir: str, prompt: list[int], seed: int, temperature: float, max_new: int
+) -> list[int] | None:
+    """The tokens a request sampled at ``temperature`` with ``seed`` must get (sequence
+    ``i`` of an ``n > 1`` request: ``seed + i``; docs/sampling.md): the sampler's exponential
+    race (``sampler.py``: ``argmax(x - log q)``, ``x`` the logits scaled by the temperature
+    after subtracting their max, ``q = -log u`` with ``u`` uniform, one draw per vocabulary
+    entry and token, from a CPU generator seeded with ``seed``) over transformers' logits.
+    None where the top two scores come within ``MIN_MARGIN`` (no reliable reference)."""
+    model = _hf_model(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            scaled = (logits - logits.max()) / torch.tensor([temperature])
+            noise = torch.empty(logits.shape[0]).uniform_(generator=generator)
+            scores = scaled - noise.log_().neg_().log_()
+            best, second = scores.topk(2).values.tolist()
+            if best - second < MIN_MARGIN:
+                return None
+            tokens.append(int(scores.argmax()))
     return tokens
 
 

@@ -84,6 +84,7 @@ from lifecycle_sampling import (
     grammar_error_text,
     logprob_reference,
     reject_grammar,
+    sampled_reference,
 )
 from process_helpers import child_pids
 from structured_helpers import CASES
@@ -115,8 +116,8 @@ EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_EXAMPLES", "10"))
 WINDOW = 8
 # with the engine, or its model, in another process: each engine started costs a process.
 # NB: hypothesis's first example is always its simplest (here: 25 calls of ``resume``, the
-# first rule without arguments), so one example drives no request at all: in CI these
-# kinds only start and stop an engine; each further example costs them seconds per engine.
+# first rule without arguments), which drives no request: so on these kinds every example
+# starts with two requests (``start_engine``); each further example costs seconds per engine.
 PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "1"))
 # the sliding-window model's run (uni kind): its first example is that simplest one too
 WINDOW_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_WINDOW_EXAMPLES", "2"))
@@ -181,9 +182,13 @@ class Computed(dict[Any, Any]):
 @functools.lru_cache(maxsize=2)
 def reference(dir_a: str, dir_b: str) -> dict[str, dict[Any, list[int] | None]]:
     """transformers' greedy tokens of every prompt, for weight set A (on disk) and B; under
-    each constraint, keyed ``(prompt, constraint)`` (None: a near-tie, no reference)."""
+    each constraint, keyed ``(prompt, constraint)``; sampled with a seed at a temperature,
+    keyed ``(prompt, seed, temperature)`` (None: a near-tie, no reference)."""
 
     def greedy(model_dir: str, key: Any) -> list[int] | None:
+        if isinstance(key, tuple) and len(key) == 3:
+            prompt, seed, temperature = key
+            return sampled_reference(model_dir, PROMPTS[prompt], seed, temperature, MAX_TOKENS)
         if isinstance(key, tuple):
             prompt, kind = key
             return constrained_greedy(model_dir, PROMPTS[prompt], kind, MAX_TOKENS)
@@ -282,6 +287,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.d.inside:
             total = self.d.run_sync(lambda: self.d.engine.stats().num_total_blocks)
             assert total == NUM_BLOCKS, f"{total} KV blocks planned, {NUM_BLOCKS} wanted"
+        if self.kind != "uni" and self.num_engines == 1:
+            # these kinds run one example in CI, hypothesis's simplest (no request at all):
+            # every example starts with two requests, so that even that one serves some
+            self.admit(2, MAX_TOKENS, n=2, seed=7, temperature=0.8)
+            self.admit(4, MAX_TOKENS)
 
     def start_fresh_engine_after_a_refusal(self) -> None:
         """A refused start, then a fresh engine whose KV cache is sized by memory: the
@@ -329,6 +339,29 @@ class LifecycleMachine(RuleBasedStateMachine):
         constraint), or with log probabilities of its tokens and its prompt."""
         self.admit(prompt, max_tokens, None, break_after, sampling)
 
+    @rule(
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        n=st.integers(1, 2),
+        temperature=st.sampled_from([0.0, 0.8]),
+        seed=st.integers(0, 3),
+        max_tokens=st.integers(1, MAX_TOKENS),
+        break_after=st.none() | st.integers(1, 8),
+    )
+    def submit_several(
+        self,
+        prompt: int,
+        n: int,
+        temperature: float,
+        seed: int,
+        max_tokens: int,
+        break_after: int | None,
+    ) -> None:
+        """A request for ``n`` sequences on one stream, greedy (each equals the greedy
+        reference) or sampled with a seed (sequence ``i`` samples with ``seed + i``, as
+        docs/sampling.md promises: its tokens are those of an ``n=1`` request with that
+        seed, whatever else runs beside it). Aborting, breaking off or cancelling ends all."""
+        self.admit(prompt, max_tokens, None, break_after, n=n, seed=seed, temperature=temperature)
+
     def admit(
         self,
         prompt: int,
@@ -336,42 +369,59 @@ class LifecycleMachine(RuleBasedStateMachine):
         stop_at: int | None = None,
         break_after: int | None = None,
         sampling: str | None = None,
+        *,
+        n: int = 1,
+        seed: int | None = None,
+        temperature: float = 0.0,
     ) -> RequestModel | None:
-        """Submit a request. ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs"."""
+        """Submit a request; returns the model of its (first) sequence, None if refused.
+        ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs"."""
         model = self.model
         want = model.admission_error()
         stop_token = None
         constraint = sampling if sampling in CONSTRAINTS else None
         logprobs = sampling == "logprobs" or (sampling is None and prompt in LOGPROB_PROMPTS)
+        logprobs = logprobs and temperature == 0  # greedy: the token is the most likely
         # the context ends a long request first: "length" at MAX_MODEL_LEN tokens in all
         produced = min(max_tokens, MAX_MODEL_LEN - len(PROMPTS[prompt]))
         if stop_at is not None and stop_at < produced and constraint is None:
             free = self.reference[model.weights][prompt]
             assert free is not None  # only constrained references may be missing
             stop_token = free[stop_at]
-        req = RequestModel(
-            request_id=f"m{next(self.ids)}",
-            engine_no=self.d.number,
-            prompt=prompt,
-            max_tokens=produced,
-            stop_token=stop_token,
-            weights=model.weights,
-            break_after=break_after,
-            held=model.holds_new_requests(),
-            constraint=constraint,
-            eos_ids=eos_ids(str(self.dir_a)) if constraint else frozenset(),
-            logprobs=logprobs,
-        )
+        public_id = f"m{next(self.ids)}"
+        members = [
+            RequestModel(
+                request_id=f"{public_id}#{i}" if n > 1 else public_id,
+                public_id=public_id,
+                index=i,
+                seed=None if seed is None else seed + i,
+                temperature=temperature,
+                engine_no=self.d.number,
+                prompt=prompt,
+                max_tokens=produced,
+                stop_token=stop_token,
+                weights=model.weights,
+                break_after=break_after,
+                held=model.holds_new_requests(),
+                constraint=constraint,
+                eos_ids=eos_ids(str(self.dir_a)) if constraint else frozenset(),
+                logprobs=logprobs,
+            )
+            for i in range(n)
+        ]
+        req = members[0]
         params = SamplingParams(
+            n=n,
+            seed=seed,
             max_tokens=max_tokens,
-            temperature=0.0,
+            temperature=temperature,
             ignore_eos=constraint is None,  # a complete grammar ends with EOS
             stop_token_ids=() if stop_token is None else (stop_token,),
             structured_outputs=CASES[constraint] if constraint else None,
             logprobs=LOGPROBS if req.logprobs else None,
             prompt_logprobs=PROMPT_LOGPROBS if req.logprobs else None,
         )
-        error = self.d.admit(self.tg, req, PROMPTS[prompt], params)
+        error = self.d.admit(self.tg, members, PROMPTS[prompt], params)
         if want is None:
             assert error is None, error
             return req
@@ -385,27 +435,37 @@ class LifecycleMachine(RuleBasedStateMachine):
         candidates = [r for r in self.d.requests if r.request_id in live] or self.d.requests
         return candidates[pick % len(candidates)]
 
+    def group(self, req: RequestModel) -> list[RequestModel]:
+        """The models of every sequence of ``req``'s request (one stream)."""
+        return [r for r in self.d.requests if r.done is req.done]
+
     @precondition(lambda self: self.driver is not None and self.driver.requests)
     @rule(pick=st.integers(0, 255))
     def abort(self, pick: int) -> None:
         req = self.pick(pick)
 
-        def abort_now() -> bool:
-            live = req.request_id in self.d.live_ids()
-            self.d.engine.abort(req.request_id)
+        def abort_now() -> set[str]:
+            live = self.d.live_ids()
+            self.d.engine.abort(req.public_id)  # all its sequences
             return live
 
-        if self.d.run_sync(abort_now):  # live when aborted: nothing else may end it
+        for member in self.requests_in(self.d.run_sync(abort_now) & set(self.group_ids(req))):
+            # live when aborted: nothing else may end it
             if self.d.inside:
-                req.allowed, req.must_end = {"abort"}, True
+                member.allowed, member.must_end = {"abort"}, True
             else:  # its end may be on its way from the engine process
-                req.may_end("abort")
+                member.may_end("abort")
+
+    def group_ids(self, req: RequestModel) -> list[str]:
+        return [r.request_id for r in self.group(req)]
 
     @precondition(lambda self: self.driver is not None and self.driver.requests)
     @rule(pick=st.integers(0, 255))
     def cancel_consumer(self, pick: int) -> None:
         req = self.pick(pick)
-        req.may_end("abort")
+        for member in self.group(req):
+            if not member.seen_end:
+                member.may_end("abort")
         self.d.cancel_consumer(req)
 
     # -- control --------------------------------------------------------------------
@@ -598,13 +658,13 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 255))
     def duplicate_request_id(self, pick: int) -> None:
         """A request id still in use is refused (``InvalidRequestError`` naming it)."""
-        live = sorted(self.d.live_ids())
+        live = sorted({r.public_id for r in self.requests_in(self.d.live_ids())})
         if not live:
             return
         taken = live[pick % len(live)]
 
         def generate() -> Exception | None:
-            if taken not in self.d.live_ids():
+            if taken not in {r.public_id for r in self.requests_in(self.d.live_ids())}:
                 return None  # it ended meanwhile
             try:
                 self.d.engine.generate(PROMPTS[0], SamplingParams(max_tokens=1), request_id=taken)
