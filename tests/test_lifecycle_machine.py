@@ -77,6 +77,7 @@ from lifecycle_sampling import (
     CONSTRAINTS,
     LOGPROBS,
     PROMPT_LOGPROBS,
+    TOLERANCE,
     LogprobReference,
     check_sampling,
     constrained_greedy,
@@ -265,6 +266,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.ids = itertools.count()
         self.num_engines = 0
         self.num_deaths = 0
+        self.smallest_started = False
 
     @initialize(when_asleep=st.sampled_from(["reject", "wait"]))
     def start_engine(self, when_asleep: str = "reject", block_bytes: int | None = None) -> None:
@@ -296,8 +298,54 @@ class LifecycleMachine(RuleBasedStateMachine):
     def start_fresh_engine_after_a_refusal(self) -> None:
         """A refused start, then a fresh engine whose KV cache is sized by memory: the
         refusal names one block's size, and a budget of ``NUM_BLOCKS`` of them must give
-        exactly ``NUM_BLOCKS`` blocks."""
-        self.start_engine(self.when_asleep, block_bytes=self.refused_start())
+        exactly ``NUM_BLOCKS`` blocks. The first time, in between, the smallest engine."""
+        block_bytes = self.refused_start()
+        if not self.smallest_started:
+            self.smallest_started = True
+            self.smallest_start(block_bytes)
+        self.start_engine(self.when_asleep, block_bytes=block_bytes)
+
+    def smallest_start(self, block_bytes: int) -> None:
+        """A KV cache budget of exactly one block is the smallest that starts: the engine
+        plans that one block and serves the smallest request that asks for everything (a
+        prompt of two tokens, one generated, the log probabilities of both: transformers'
+        greedy token and figures), then stops, leaving no process."""
+        config = tiny_config(
+            self.dir_a, num_blocks=None, kv_cache_memory=block_bytes, max_model_len=MAX_MODEL_LEN
+        )
+        children = child_pids()
+        engine = make_engine(self.kind, config, FaultInjector())
+        run, _ = self.portal.start_task(engine.run)
+        prompt = PROMPTS[5][:2]
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+        )
+
+        async def serve() -> list[Any]:
+            with anyio.fail_after(BOUND):
+                return [chunk async for chunk in engine.generate(prompt, params)]
+
+        try:
+            chunks = self.portal.call(serve)
+            blocks = engine.stats().num_total_blocks if self.kind != "process" else 1
+        finally:
+            self.portal.call(engine.stop)
+        assert run.result(timeout=BOUND) is None
+        assert blocks == 1, f"{blocks} KV blocks planned for a budget of one block"
+        want = hf_greedy(self.dir_a, prompt, 1)
+        got = [(c.token_ids, c.finish_reason) for c in chunks]
+        assert got == [(want, "length")], (got, want)
+        ref = logprob_reference(str(self.dir_a), prompt, want)
+        chunk = chunks[0]
+        assert chunk.prompt_logprobs is not None and chunk.logprobs is not None, chunk
+        assert chunk.prompt_logprobs[0] is None, chunk
+        figures = [chunk.prompt_logprobs[1], chunk.logprobs[0]]
+        wants = [ref.prompt[1], float(ref.rows[0, want[0]])]
+        assert all(
+            f is not None and w is not None and abs(f - w) <= TOLERANCE
+            for f, w in zip(figures, wants, strict=True)
+        ), (figures, wants)
+        assert child_pids() <= children, "the smallest engine left a process behind"
 
     @property
     def d(self) -> EngineDriver:
@@ -703,6 +751,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
         constrained = SamplingParams(structured_outputs=CASES["choice"])
         self.portal.call(engine.prepare_structured_outputs, constrained)
+        self.holds_no_memory(engine)  # nothing loaded yet
         try:
             self.portal.start_task(engine.run)
         except EngineDeadError as exc:
@@ -717,6 +766,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert cause.reason.startswith("KV cache budget of 1 bytes is below one block ("), cause
         assert "KV cache budget of 1 bytes" in str(dead), dead
         assert engine.state is S.DEAD, engine.state
+        self.holds_no_memory(engine)
         refused = self.portal.call(admission_error, engine)
         assert isinstance(refused, EngineDeadError), refused
         again = self.portal.call(engine_run_error, engine)
@@ -725,6 +775,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         named = re.search(r"below one block \((\d+) bytes\)", str(dead))
         assert named is not None, dead
         return int(named.group(1))
+
+    def holds_no_memory(self, engine: Any) -> None:
+        """``memory_stats()`` of an engine that holds no model: no bytes anywhere."""
+        memory = self.portal.call(engine.memory_stats)
+        held = [
+            (m.device, m.weights_bytes, m.kv_cache_bytes, m.host_weights_bytes)
+            for m in memory.values()
+            if m.weights_bytes or m.kv_cache_bytes or m.host_weights_bytes
+        ]
+        assert not held, held
 
     @precondition(lambda self: self.model.alive)
     @rule(grace=st.sampled_from([0.0, BOUND / 3]), busy=st.booleans())
