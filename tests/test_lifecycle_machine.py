@@ -145,6 +145,19 @@ INVALID_WEIGHTS: dict[str, Callable[[str, torch.Tensor], tuple[tuple[str, Any], 
 }
 
 
+# starts that must be refused: the configuration, and the start of the reason
+REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "kv budget": (
+        {"num_blocks": None, "kv_cache_memory": 1},
+        "KV cache budget of 1 bytes is below one block (",
+    ),
+    "quantized float32": (  # int8 panels quantize bf16/fp16 weights only
+        {"quantization": "int8"},
+        "quantization='int8' runs bfloat16/float16 models on a CPU with AVX2",
+    ),
+}
+
+
 class Boom(RuntimeError):
     pass
 
@@ -302,6 +315,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         block_bytes = self.refused_start()
         if not self.smallest_started:
             self.smallest_started = True
+            self.refused_start("quantized float32")
             self.smallest_start(block_bytes)
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
 
@@ -731,16 +745,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check_every_request_ended()
         self.start_fresh_engine_after_a_refusal()
 
-    def refused_start(self) -> int:
-        """Before a fresh engine: one whose KV cache budget is below one block. ``run()``
-        raises ``EngineDeadError`` (its cause: the ``ModelLoadError`` naming the budget)
+    def refused_start(self, refusal: str = "kv budget") -> int:
+        """Before a fresh engine: one that cannot start (``REFUSALS``: its KV cache budget
+        is below one block; or it asks for int8 quantization of a float32 model). ``run()``
+        raises ``EngineDeadError`` (its cause: the ``ModelLoadError`` naming the reason)
         before it serves (before it runs, it admits nothing and preparing a constraint is a
         no-op); that engine is dead, admits nothing, cannot run again and leaves
         no process behind. The valid start that follows must serve as if it never was.
-        Returns one KV block's size in bytes, as the refusal names it."""
-        config = tiny_config(
-            self.dir_a, num_blocks=None, kv_cache_memory=1, max_model_len=MAX_MODEL_LEN
-        )
+        Returns one KV block's size in bytes, as the KV budget's refusal names it."""
+        options, reason = REFUSALS[refusal]
+        config = tiny_config(self.dir_a, max_model_len=MAX_MODEL_LEN, **options)
         children = child_pids()
         engine = make_engine(self.kind, config, FaultInjector())
         # before it starts: nothing is admitted, and preparing a constraint is a no-op
@@ -758,13 +772,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             dead: BaseException = exc
         else:
             self.portal.call(engine.stop)
-            raise AssertionError("an engine started with a KV cache budget of 1 byte")
+            raise AssertionError(f"an engine started with {options}")
         if self.kind != "process":  # the engine process reports its death by message
             cause = dead.__cause__
             assert isinstance(cause, ModelLoadError), (dead, cause)
             assert cause.model == str(self.dir_a), cause
-            assert cause.reason.startswith("KV cache budget of 1 bytes is below one block ("), cause
-        assert "KV cache budget of 1 bytes" in str(dead), dead
+            assert cause.reason.startswith(reason), (cause, reason)
+        assert reason in str(dead), (dead, reason)
         assert engine.state is S.DEAD, engine.state
         self.holds_no_memory(engine)
         refused = self.portal.call(admission_error, engine)
@@ -773,8 +787,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert isinstance(again, IllegalStateError), again
         assert child_pids() <= children, "a failed start left a process behind"
         named = re.search(r"below one block \((\d+) bytes\)", str(dead))
-        assert named is not None, dead
-        return int(named.group(1))
+        return int(named.group(1)) if named is not None else 0
 
     def holds_no_memory(self, engine: Any) -> None:
         """``memory_stats()`` of an engine that holds no model: no bytes anywhere."""
