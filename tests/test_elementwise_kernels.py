@@ -18,7 +18,7 @@ from test_model_fast_paths import _prefill_then_decode, _prompts
 from tgengine.models import fused_decode, llama, load_model, load_model_config
 from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
-from tgengine.models.kernels.decode_layer import DecodeLayerCall, DecodeStep
+from tgengine.models.kernels.decode_layer import DecodeStep, LayerRun
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
@@ -197,10 +197,10 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     original = llama.run_layers
 
     def counted(
-        calls: list[DecodeLayerCall], step: DecodeStep, x: torch.Tensor, *args: torch.Tensor
+        run: LayerRun, step: DecodeStep, x: torch.Tensor, *args: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        runs.append((len(calls), int(x.shape[0])))
-        return original(calls, step, x, *args)
+        runs.append((len(run.calls), int(x.shape[0])))
+        return original(run, step, x, *args)
 
     monkeypatch.setattr(llama, "run_layers", counted)
     prompts = _prompts(config.vocab_size, [5, 9, 2, 1, 12])
@@ -242,7 +242,8 @@ def test_a_layer_call_keeps_no_weights_alive_and_follows_a_reload(tmp_path: Path
     prompts = _prompts(config.vocab_size, [5, 9, 2])
     before = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
     layer = model.model.layers[0]
-    assert all(model.decode_calls.current()), "the decode step made its layer calls"
+    segments = model.decode_calls.segments()
+    assert [run is not None for _, _, run in segments] == [True], "one call for all layers"
     packed = layer.self_attn.qkv.packed
     assert packed is not None
     panels = weakref.ref(packed.data)

@@ -9,6 +9,7 @@ one call (``kernels.decode_layer.run_layers``); anything else takes the layer's 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import torch
 from tgengine.models.attention import KernelDecodePlan
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, Panels
-from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep
+from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep, LayerRun
 from tgengine.models.kernels.elementwise import ACTIVATIONS
 from tgengine.models.layers import MLP
 
@@ -26,12 +27,17 @@ if TYPE_CHECKING:
     from tgengine.models.self_attention import StepContext
 
 
+Segment = tuple[int, int, LayerRun | None]
+"""Layers ``[start, stop)``: one call for all of them, or (None) one layer's own forward."""
+
+
 class DecodeCalls:
-    """Every layer's one-call decode (None where a layer does not qualify), made once and
-    again whenever a weight it reads moved.
+    """The layers of a decode step as segments: each run of consecutive layers that qualify
+    in one call (``LayerRun``), every other layer on its own. Made once, and again whenever
+    a weight a call reads moved.
 
     The calls hold pointers, not tensors (``sleep`` must be able to free the weights), so
-    ``current()`` checks, once per step, that nothing they point into moved: the packed
+    ``segments()`` checks, once per step, that nothing they point into moved: the packed
     weights through ``Gemm.generation`` (bumped whenever a packed form is made or forgotten),
     the norms and biases through their addresses. (Checked layer by layer, pointer by
     pointer, the check cost 0.7 ms a step, more than the Python it saves.)
@@ -50,18 +56,19 @@ class DecodeCalls:
         self._norms = [module._parameters for pair in norms for module in pair]
         projs = [module for layer in layers for module in layer.self_attn._projs]
         self._projs = [module._parameters for module in projs if module.bias is not None]
-        self._calls: list[DecodeLayerCall | None] = []
+        self._segments: list[Segment] = []
         self._key: tuple[int | None, ...] | None = None
 
-    def current(self) -> list[DecodeLayerCall | None]:
+    def segments(self) -> list[Segment]:
         key = self._where()
         if key != self._key:
-            self._calls = [
+            calls = [
                 decode_call(layer, i, self._windows.index(layer.self_attn.window))
                 for i, layer in enumerate(self._layers)
             ]
+            self._segments = _segments(calls)
             self._key = key
-        return self._calls
+        return self._segments
 
     def clear(self) -> None:
         """Make the calls again at the next step."""
@@ -73,6 +80,20 @@ class DecodeCalls:
             *[d["weight"].data_ptr() for d in self._norms],  # type: ignore[union-attr]
             *[d["bias"].data_ptr() for d in self._projs],  # type: ignore[union-attr]
         )
+
+
+def _segments(calls: Sequence[DecodeLayerCall | None]) -> list[Segment]:
+    segments: list[Segment] = []
+    start = 0
+    for qualifies, group in itertools.groupby(calls, key=lambda call: call is not None):
+        run = list(group)
+        stop = start + len(run)
+        if qualifies:
+            segments.append((start, stop, LayerRun([c for c in run if c is not None])))
+        else:
+            segments += [(i, i + 1, None) for i in range(start, stop)]
+        start = stop
+    return segments
 
 
 def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall | None:

@@ -8,7 +8,6 @@ float32 logits for ``inputs.logits_rows`` only.
 
 from __future__ import annotations
 
-import itertools
 from typing import cast
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan
 from tgengine.models.config import ModelConfig
-from tgengine.models.fused_decode import DecodeCalls, decode_step
+from tgengine.models.fused_decode import DecodeCalls, Segment, decode_step
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kernels import elementwise
@@ -175,21 +174,21 @@ class CausalLM(nn.Module):
         """Every layer's ``(output, residual stream)`` in turn; in a decode step, each run of
         consecutive layers that qualify in one call (``models.fused_decode``)."""
         layers = self.model.layers
-        calls = self.decode_calls.current() if step.decode_layers else [None] * len(layers)
+        segments: list[Segment] = (
+            self.decode_calls.segments()
+            if step.decode_layers
+            else [(i, i + 1, None) for i in range(len(layers))]
+        )
         decode_args = None
-        alive: list[torch.Tensor] = []  # what decode_args points into
+        alive: list[torch.Tensor] = []  # what decode_args points into, until the calls return
         residual: torch.Tensor | None = None
-        i = 0
-        while i < len(layers):
-            run = [call for call in itertools.takewhile(bool, calls[i:]) if call is not None]
-            if not run:
-                x, residual = layers[i](x, residual, step, i)
-                i += 1
+        for start, _, run in segments:
+            if run is None:
+                x, residual = layers[start](x, residual, step, start)
                 continue
             if decode_args is None:
                 decode_args, alive = decode_step(step, self._windows)
             x, residual = run_layers(run, decode_args, x.contiguous(), residual)
-            i += len(run)
         del alive
         assert residual is not None
         return x, residual
@@ -219,7 +218,7 @@ class CausalLM(nn.Module):
             for w in self._windows
         }
         fused = self.use_kernels and elementwise.applies(x)
-        # A decode-only step attended by the paged kernel: whole layers in one call each.
+        # A decode-only step attended by the paged kernel: runs of layers in one call each.
         decode_layers = fused and not self.parallel.is_parallel
         decode_layers &= all(
             p.decode_only and isinstance(p.decodes[0], KernelDecodePlan) for p in plans.values()

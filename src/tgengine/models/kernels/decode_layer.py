@@ -5,8 +5,9 @@ and allocations cost about a tenth of the step, and even one call per layer left
 of a one-sequence step in Python. ``DecodeLayerCall`` prepares, once per layer and weight
 version, what a layer's call reads (the packed weights, the norms, the sizes); a
 ``DecodeStep`` holds what the step gives every layer (its cos/sin, block tables, the cache);
-``run_layers`` makes one call for consecutive layers. Same kernels, same order, same
-rounding: the results equal the unfused path's (a test compares them).
+a ``LayerRun`` holds consecutive layers' calls, and ``run_layers`` makes their one call.
+Same kernels, same order, same rounding: the results equal the unfused path's (a test
+compares them).
 """
 
 from __future__ import annotations
@@ -143,13 +144,24 @@ class DecodeLayerCall:
         )
 
 
+class LayerRun:
+    """Consecutive layers' calls, and the array of their arguments ``tg_decode_layers`` reads
+    (made with the calls, not every step)."""
+
+    def __init__(self, calls: Sequence[DecodeLayerCall]) -> None:
+        self.calls = tuple(calls)
+        self.args = (ctypes.POINTER(_DecodeLayer) * len(calls))(
+            *[ctypes.pointer(c.args) for c in calls]
+        )
+
+
 def run_layers(
-    calls: Sequence[DecodeLayerCall],
+    run: LayerRun,
     step: DecodeStep,
     x: torch.Tensor,
     residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mlp output, residual stream)`` after the consecutive layers ``calls``, as their
+    """``(mlp output, residual stream)`` after the consecutive layers of ``run``, as their
     ``DecoderLayer.forward`` one after the other would give.
 
     ``x`` and ``residual`` ``[rows, hidden]`` contiguous (``residual`` None before the first
@@ -157,12 +169,11 @@ def run_layers(
     filled by ``fused_decode.decode_step`` for this forward, its tensors still alive.
     """
     out = torch.empty_like(x)
-    layers = (ctypes.POINTER(_DecodeLayer) * len(calls))(*[ctypes.pointer(c.args) for c in calls])
     lib = kernels.load()
     assert lib is not None
     status = lib.tg_decode_layers(
-        layers,
-        len(calls),
+        run.args,
+        len(run.calls),
         ctypes.byref(step),
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
