@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from test_model_fast_paths import _prefill_then_decode, _prompts
-from tgengine.models import fused_decode, llama, load_model, load_model_config
+from tgengine.models import fused_decode, kernels, llama, load_model, load_model_config
 from tgengine.models.attention import write_kv
 from tgengine.models.kernels import elementwise
 from tgengine.models.kernels.decode_layer import DecodeStep, LayerRun
@@ -133,14 +133,29 @@ def test_act_mul_matches_the_activation_times_up(
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize(
+    ("model", "lengths"),
+    [
+        ("tiny_llama_dir", [5, 9, 2, 1]),
+        ("tiny_qwen2_dir", [5, 9, 2, 1]),
+        # head_dim 32, which the attention kernels take: prompts across key tiles, a window.
+        ("llama", [40, 9, 2, 1]),
+        ("mistral", [70, 33, 2, 1]),
+    ],
+)
 def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     dtype: torch.dtype,
-    fixture: str,
+    model: str,
+    lengths: list[int],
     request: pytest.FixtureRequest,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model_dir: Path = request.getfixturevalue(fixture)
+    if model.startswith("tiny_"):
+        model_dir: Path = request.getfixturevalue(model)
+    else:
+        window = {"sliding_window": 6} if model == "mistral" else {}
+        model_dir = make_tiny_model_dir(tmp_path, model, head_dim=32, **window)
     config = load_model_config(model_dir)
     fast = load_model(config, model_dir, dtype, "cpu")
     fast.gemm.prepack = True
@@ -148,17 +163,23 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     plain = load_model(config, model_dir, dtype, "cpu")
     plain.use_kernels = False
     calls: list[str] = []
-    for name in ("add_rms_norm", "rope_store_kv", "act_mul"):
-        original = getattr(elementwise, name)
+    for module, name in [
+        (elementwise, "add_rms_norm"),
+        (elementwise, "rope_store_kv"),
+        (elementwise, "act_mul"),
+        (kernels, "paged_prefill"),
+    ]:
+        original = getattr(module, name)
 
         def counted(*args: object, _f: object = original, _n: str = name, **kw: object) -> object:
             calls.append(_n)
             return _f(*args, **kw)  # type: ignore[operator]
 
-        monkeypatch.setattr(elementwise, name, counted)
-    prompts = _prompts(config.vocab_size, [5, 9, 2, 1])
+        monkeypatch.setattr(module, name, counted)
+    prompts = _prompts(config.vocab_size, lengths)
     got = _prefill_then_decode(fast, [list(p) for p in prompts], dtype)
-    assert set(calls) == {"add_rms_norm", "rope_store_kv", "act_mul"}, "the fused path ran"
+    kernel = {"paged_prefill"} if config.head_dim == 32 else set()
+    assert set(calls) == {"add_rms_norm", "rope_store_kv", "act_mul", *kernel}, "fused path ran"
     calls.clear()
     want = _prefill_then_decode(plain, [list(p) for p in prompts], dtype)
     assert not calls, "use_kernels=False is the torch path"

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tgengine.models import kernels
-from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention
-from tgengine.models.inputs import ForwardInputs
+from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
+from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
 pytestmark = pytest.mark.skipif(
     not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),
@@ -66,6 +66,84 @@ def test_kernel_matches_the_torch_path(
     got = paged_attention(q, q, q, blocks, fast, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def _prefill_inputs(
+    spans: list[tuple[int, int]], block_size: int, num_blocks: int
+) -> ForwardInputs:
+    """One step of prefill spans, each ``(queries, context_len)``, then one decode row."""
+    ids = torch.randperm(num_blocks).tolist()
+    positions, slots, prefills = [], [], []
+    for queries, context_len in spans:
+        table = [ids.pop() for _ in range(-(-context_len // block_size))]
+        start = len(positions)
+        for pos in range(context_len - queries, context_len):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        prefills.append(PrefillSpan(start, len(positions), context_len, torch.tensor(table)))
+    decode_table = torch.tensor([ids[:3]])
+    positions.append(9)
+    slots.append(ids[2] * block_size + 9 % block_size)
+    return ForwardInputs(
+        input_ids=torch.zeros(len(positions), dtype=torch.long),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        decode_rows=torch.tensor([len(positions) - 1]),
+        decode_block_tables=decode_table,
+        decode_context_lens=torch.tensor([10]),
+        prefills=prefills,
+    )
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES[1:])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 80), (8, 1, 256)],
+)
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_prefill_kernel_matches_the_torch_path(
+    dtype: torch.dtype,
+    tol: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+) -> None:
+    torch.manual_seed(0)
+    block_size, num_blocks = 4, 256
+    # Fresh prompts (one token, within one key tile, across tiles and work items), spans after
+    # a cached prefix (a prefix-cache hit, a later chunk), a one-token chunk.
+    spans = [(1, 1), (2, 2), (37, 37), (70, 70), (10, 45), (33, 100), (1, 64)]
+    inputs = _prefill_inputs(spans, block_size, num_blocks)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    rows = inputs.num_rows
+    # q as a view of wider rows, as the fused projection gives it; k/v written to the cache.
+    qkv = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    write_kv(blocks, inputs.slot_mapping, k, v)
+    scale = head_dim**-0.5
+    plain = AttentionPlan.build(inputs, block_size, window)
+    fast = AttentionPlan.build(inputs, block_size, window, prefill_kernel=True)
+    assert all(p.kernel for p in fast.prefills) and not any(p.kernel for p in plain.prefills)
+    want = paged_attention(q, k, v, blocks, plain, scale)
+    got = paged_attention(q, k, v, blocks, fast, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")
+def test_prefill_kernel_refuses_what_it_does_not_handle() -> None:
+    blocks = torch.zeros(2, 1, 4, 4, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="status 4"):  # more queries than context
+        kernels.paged_prefill(q, blocks, table, 2, 1.0, None, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        kernels.paged_prefill(q[:, :, ::2], blocks, table, 8, 1.0, None, q[:, :, ::2])
+    assert kernels.supports_prefill(torch.device("cpu"), torch.bfloat16, 64, 3)
+    assert not kernels.supports_prefill(torch.device("cpu"), torch.float32, 64, 3)
+    assert not kernels.supports_prefill(torch.device("cpu"), torch.bfloat16, 48, 1)
 
 
 def test_kernel_is_built_once_and_cached() -> None:

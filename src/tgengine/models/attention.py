@@ -7,8 +7,9 @@ values of every decode sequence's blocks, already laid out ``[Hkv, Bd, L, D]``, 
 matmuls with an additive mask do the rest (the query heads that share a KV head are the rows
 of one matmul, so keys and values are never repeated). Each prefill span is attended on its
 own: a fresh prompt with causal SDPA on its own keys and values, a span with a cached prefix
-over its gathered blocks with an explicit mask. Keys a query must not see are masked out; the
-cache is zero-initialised, so masked slots never carry NaN into the output.
+over its gathered blocks with an explicit mask; or, on a CPU with a bf16/fp16 cache, any span
+with ``kernels.paged_prefill``, straight on the paged cache. Keys a query must not see are
+masked out; the cache is zero-initialised, so masked slots never carry NaN into the output.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class KernelDecodePlan:
 class PrefillPlan:
     span: PrefillSpan
     mask: torch.Tensor | None  # [n, context_len] bool; None: causal over the span's own k/v
+    window: int | None = None
+    kernel: bool = False  # attended by kernels.paged_prefill (then mask is None)
 
 
 @dataclass
@@ -76,8 +79,10 @@ class AttentionPlan:
         sliding_window: int | None,
         *,
         use_kernel: bool = False,
+        prefill_kernel: bool = False,
     ) -> AttentionPlan:
-        """The plan of one step; ``use_kernel``: decode rows go to ``kernels.paged_decode``."""
+        """The plan of one step; ``use_kernel``: decode rows go to ``kernels.paged_decode``,
+        ``prefill_kernel``: prefill spans to ``kernels.paged_prefill``."""
         num_rows = inputs.num_rows
         num_decode = int(inputs.decode_rows.shape[0])
         decodes: list[DecodePlan | KernelDecodePlan] = []
@@ -88,7 +93,10 @@ class AttentionPlan:
             ]
         elif num_decode:
             decodes = list(_decode_plans(inputs, block_size, sliding_window))
-        prefills = [_prefill_plan(span, sliding_window) for span in inputs.prefills]
+        if prefill_kernel:
+            prefills = [PrefillPlan(s, None, sliding_window, kernel=True) for s in inputs.prefills]
+        else:
+            prefills = [_prefill_plan(span, sliding_window) for span in inputs.prefills]
         decode_only = num_decode == num_rows and len(decodes) == 1 and not prefills
         return AttentionPlan(num_rows, decodes, prefills, decode_only)
 
@@ -213,6 +221,20 @@ def paged_attention(
         out.index_copy_(0, decode.rows, found)
     for prefill in plan.prefills:
         span = prefill.span
+        if prefill.kernel:
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
+            rows = slice(span.start, span.end)
+            kernels.paged_prefill(
+                q[rows],
+                blocks,
+                span.block_table,
+                span.context_len,
+                scale,
+                prefill.window,
+                out[rows],
+            )
+            continue
         out[span.start : span.end] = _prefill(q, k, v, blocks, prefill, scale)
     return out
 

@@ -165,10 +165,11 @@ class CausalLM(nn.Module):
         self.weight_shards = shard_map(self)
         """``{parameter name: its Shard of the checkpoint's full tensor}``."""
 
-    def _kernel_fits(self, kv_cache: KVCache) -> bool:
+    def _kernel_fits(self, kv_cache: KVCache, *, prefill: bool = False) -> bool:
         c = self.config
         groups = local_heads(c, self.parallel) // local_kv_heads(c, self.parallel)
-        return kernels.supports(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
+        fits = kernels.supports_prefill if prefill else kernels.supports
+        return fits(kv_cache.kv.device, kv_cache.kv.dtype, c.head_dim, groups)
 
     def _layers(self, x: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's ``(output, residual stream)`` in turn; in a decode step, each run of
@@ -213,8 +214,15 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         rotary = [r.cos_sin(inputs.positions, x.dtype) for r in self.rotary]
         use_kernel = self.use_kernels and self._kernel_fits(kv_cache)
+        prefill_kernel = self.use_kernels and self._kernel_fits(kv_cache, prefill=True)
         plans = {
-            w: AttentionPlan.build(inputs, kv_cache.block_size, w, use_kernel=use_kernel)
+            w: AttentionPlan.build(
+                inputs,
+                kv_cache.block_size,
+                w,
+                use_kernel=use_kernel,
+                prefill_kernel=prefill_kernel,
+            )
             for w in self._windows
         }
         fused = self.use_kernels and elementwise.applies(x)

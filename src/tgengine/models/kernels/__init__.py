@@ -1,7 +1,8 @@
 """CPU kernels tgengine compiles itself, once per machine, with a plain-torch fallback.
 
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
-``paged_attention.cpp``); ``half_linear`` and ``panel_linear`` run linear products on
+``paged_attention.cpp``), ``paged_prefill`` a prompt span's attention (``prefill_attention.cpp``);
+``half_linear`` and ``panel_linear`` run linear products on
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
 the latter on a weight packed once into 16-row panels (``pack_panels``, or ``quantize_panels``:
 int8 with a float32 scale per output row, weight-only quantization); ``elementwise``
@@ -33,7 +34,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("paged_attention.cpp", "half_linear.cpp", "elementwise.cpp", "decode_layer.cpp")
+    for n in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "half_linear.cpp",
+        "elementwise.cpp",
+        "decode_layer.cpp",
+    )
 )
 _HEADERS = (Path(__file__).with_name("simd.h"),)
 _FLAGS = [
@@ -80,6 +87,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
+    fn.argtypes += [ctypes.c_int]
+    fn = lib.tg_paged_prefill
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
     for fn in (lib.tg_half_linear, lib.tg_panel_linear, lib.tg_panel_linear_f32):
         fn.restype = ctypes.c_int
@@ -222,6 +233,65 @@ def paged_decode(
 
 
 HALF_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def supports_prefill(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> bool:
+    """Whether ``paged_prefill`` runs here: ``supports`` for a bf16/fp16 cache on AVX2 (a
+    float32 cache keeps torch's SDPA, the path greedy parity is measured on)."""
+    return (
+        dtype in HALF_LINEAR_DTYPES
+        and supports(device, dtype, head_dim, groups)
+        and has_half_linear()
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of the ``n`` query rows ``q`` ``[n, H, D]``, the last ``n`` positions
+    of a sequence of ``context_len`` tokens, over its keys and values in the paged ``blocks``
+    (one layer's ``[2, Hkv, num_blocks, block_size, D]``, this span's already written) at
+    ``table`` (int64 block ids), into ``out`` ``[n, H, D]``. ``window``: each query sees its
+    last ``window`` keys. Rows of ``q`` and ``out`` may be strided (views of wider rows); call
+    it only where ``supports_prefill`` said yes."""
+    lib = load()
+    n, num_heads, head_dim = q.shape
+    _, num_kv_heads, num_blocks, block_size, _ = blocks.shape
+    for t in (q, out):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise RuntimeError("paged_prefill: each row's heads must be contiguous")
+    if lib is None or blocks.dtype != q.dtype or out.dtype != q.dtype or out.shape != q.shape:
+        raise RuntimeError("paged_prefill called where the kernel does not apply")
+    if not blocks.is_contiguous():
+        raise RuntimeError("paged_prefill: the cache must be contiguous")
+    table = table.contiguous()
+    status = lib.tg_paged_prefill(
+        _DTYPES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        blocks.data_ptr(),
+        table.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        n,
+        context_len,
+        num_heads,
+        num_kv_heads,
+        num_blocks,
+        block_size,
+        head_dim,
+        window or 0,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"prefill-attention kernel refused the shapes (status {status})")
 
 
 @functools.cache
