@@ -8,6 +8,7 @@
 // num_heads / num_kv_heads query heads that share a KV head are consecutive. For each
 // (sequence, kv head) the scores of its query heads are computed over the visible keys
 // [start, context_len), soft-maxed in float32, and the values summed in float32.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,6 +88,18 @@ void widen_rows(const T* base, const int64_t* offsets, float (*rows)[D]) {
     for (int c = 0; c < D; c += 8) _mm256_store_ps(rows[p] + c, tg::load8(base + offsets[p] + c));
 }
 
+// Positions read ahead: a sequence's blocks lie anywhere in the cache, so the hardware
+// prefetcher loses the stream at every block boundary; the kernel asks for the rows it will
+// read a few tiles later itself.
+constexpr int64_t kAhead = 16;
+
+template <typename T, int D>
+inline void prefetch_rows(const T* base, const int64_t* offsets) {
+  for (int p = 0; p < 8; ++p)
+    for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + offsets[p]) + c, _MM_HINT_T0);
+}
+
 template <typename T, int D>
 void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* table,
                   int64_t start, int64_t len, int64_t block_size, int64_t block_stride,
@@ -96,11 +109,13 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   s.offsets.resize(static_cast<size_t>(n8));
   s.scores.resize(static_cast<size_t>(groups * n8));
   s.acc.assign(static_cast<size_t>(groups * D), 0.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = start + i;
-    s.offsets[i] = table[pos / block_size] * block_stride + (pos % block_size) * D;
+  // Each position's row, walking the table block by block (no division per position).
+  for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
+    s.offsets[i] = table[block] * block_stride + slot * D;
+    if (++slot == block_size) slot = 0, ++block;
   }
   for (int64_t i = n; i < n8; ++i) s.offsets[i] = s.offsets[n - 1];  // padding: a real row
+  s.offsets.resize(static_cast<size_t>(n8 + kAhead), s.offsets[n - 1]);  // read-ahead past the end
   alignas(32) float qf[8][D];
   alignas(32) float rows[8][D];
   for (int g = 0; g < groups; ++g)
@@ -108,6 +123,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   __m256 best[8];
   for (int g = 0; g < groups; ++g) best[g] = _mm256_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n8; i += 8) {
+    prefetch_rows<T, D>(keys, &s.offsets[i + kAhead]);
     widen_rows<T, D>(keys, &s.offsets[i], rows);
     for (int g = 0; g < groups; ++g) {
       __m256 acc[8];
@@ -137,15 +153,22 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
     total[g] = tg::hsum8(sum);
   }
   for (int64_t i = 0; i < n8; i += 8) {
+    prefetch_rows<T, D>(values, &s.offsets[i + kAhead]);
     widen_rows<T, D>(values, &s.offsets[i], rows);
     for (int g = 0; g < groups; ++g) {
-      __m256 weight[8];
-      for (int p = 0; p < 8; ++p) weight[p] = _mm256_broadcast_ss(&s.scores[g * n8 + i + p]);
+      const float* weight = &s.scores[g * n8 + i];
       float* acc = &s.acc[g * D];
-      for (int c = 0; c < D; c += 8) {
-        __m256 a = _mm256_loadu_ps(acc + c);
-        for (int p = 0; p < 8; ++p) a = _mm256_fmadd_ps(weight[p], _mm256_load_ps(rows[p] + c), a);
-        _mm256_storeu_ps(acc + c, a);
+      // Up to 8 vectors of the output in registers, one independent sum each.
+      for (int c0 = 0; c0 < D / 8; c0 += 8) {
+        const int width = std::min(8, D / 8 - c0);
+        __m256 a[8];
+        for (int c = 0; c < width; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+        for (int p = 0; p < 8; ++p) {
+          const __m256 w = _mm256_broadcast_ss(weight + p);
+          for (int c = 0; c < width; ++c)
+            a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(rows[p] + 8 * (c0 + c)), a[c]);
+        }
+        for (int c = 0; c < width; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
       }
     }
   }
