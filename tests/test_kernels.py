@@ -226,3 +226,26 @@ def test_panel_linear_matches_the_float32_product(dtype: torch.dtype, n: int, k:
             wide = kernels.panel_linear(x, panels, n, b, float_output=True)
             assert wide.dtype == torch.float32
             assert torch.equal(wide, got.float()), "the same values, stored as float32"
+
+
+@pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2 for argmax_rows")
+def test_argmax_rows_is_torchs_argmax() -> None:
+    torch.manual_seed(0)
+    for shape in [(24, 49152), (1, 49152), (3, 17), (5, 8), (2, 1)]:
+        x = torch.randn(*shape)
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(-1)), shape
+    x = torch.randn(6, 1003)
+    x[0, 100] = x[0, 900] = x[0, 1002] = 1e9  # a tie: the first index
+    x[1] = -float("inf")  # nothing but -inf: index 0
+    x[2] = 0.0
+    x[3, 1002] = 50.0  # the maximum in the tail past the last 8 columns
+    x[4, :8] = 50.0
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))
+    strided = torch.randn(30, 64)[:, :50]
+    assert torch.equal(kernels.argmax_rows(strided), strided.argmax(-1))
+    for col in (3, 1002):  # a NaN in the vector part or in the tail: torch's path
+        y = x.clone()
+        y[5, col] = float("nan")
+        assert kernels.argmax_rows(y) is None
+    assert kernels.argmax_rows(x.T) is None  # columns not contiguous
+    assert kernels.argmax_rows(x.double()) is None

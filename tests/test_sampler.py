@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tgengine.models import kernels
 from tgengine.sampler import Sampler, SamplingRow
 from tgengine.sampling import SamplingParams
 
@@ -31,10 +32,17 @@ def test_greedy_is_argmax_in_a_mixed_batch() -> None:
     assert result.logprobs is None
 
 
-def test_all_greedy_fast_path() -> None:
+@pytest.mark.parametrize("nan", [False, True])
+def test_all_greedy_fast_path(nan: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     logits = _logits(4, 50)
+    if nan:  # torch's argmax picks a NaN; the compiled one refuses it, torch's path runs
+        logits[2, 7] = float("nan")
+    calls: list[int] = []
+    argmax_rows = kernels.argmax_rows
+    monkeypatch.setattr(kernels, "argmax_rows", lambda x: calls.append(1) or argmax_rows(x))
     rows = [SamplingRow(SamplingParams(temperature=0.0))] * 4
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+    assert calls == [1], "greedy rows go through kernels.argmax_rows"
 
 
 def test_top_k_one_is_greedy_even_at_temperature_one() -> None:

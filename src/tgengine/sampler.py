@@ -26,6 +26,7 @@ from .logits_processors import (
     default_processors,
 )
 from .logprobs import TokenLogprobs, token_logprobs
+from .models import kernels
 
 __all__ = ["SampleResult", "Sampler", "SamplingRow"]
 
@@ -42,6 +43,13 @@ class SampleResult:
 
     token_ids: list[int]
     logprobs: TokenLogprobs | None
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; on a CPU through the compiled kernel (torch's reduction
+    reads ~2 GB/s, 2 ms a step for 24 rows of a 49k vocabulary)."""
+    found = kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1) if found is None else found
 
 
 class Sampler:
@@ -63,11 +71,11 @@ class Sampler:
         logits = apply_processors(logits, rows, self.processors)
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         elif len(sampled) == len(rows):
             token_ids = self._sample(logits, list(rows))
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
             index = torch.tensor(sampled, device=logits.device)
             token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
         logprobs = None

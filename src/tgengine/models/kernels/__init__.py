@@ -6,7 +6,8 @@
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
 the latter on a weight packed once into 16-row panels (``pack_panels``, or ``quantize_panels``:
 int8 with a float32 scale per output row, weight-only quantization); ``elementwise``
-fuses each layer's element-wise work (``elementwise.cpp``); ``decode_layer`` runs a whole
+fuses each layer's element-wise work (``elementwise.cpp``); ``argmax_rows`` is greedy
+decoding's argmax (``argmax.cpp``); ``decode_layer`` runs a whole
 layer of a decode step in one call (``decode_layer.cpp``). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
@@ -40,6 +41,7 @@ _SOURCES = tuple(
         "half_linear.cpp",
         "elementwise.cpp",
         "decode_layer.cpp",
+        "argmax.cpp",
     )
 )
 _HEADERS = (Path(__file__).with_name("simd.h"),)
@@ -111,6 +113,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_act_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_int]
+    fn = lib.tg_argmax_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
     fn = lib.tg_decode_layers  # decode_layer.py's structures
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
@@ -418,3 +423,24 @@ def _half_product(
     if status != 0:
         raise RuntimeError(f"{kernel} refused the shapes (status {status})")
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """``logits.argmax(dim=-1)`` for 2-D float32 CPU logits, at memory speed; None where the
+    kernel does not apply (no AVX2, another dtype or device, a row holding a NaN)."""
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or not has_half_linear()
+    ):
+        return None
+    lib = load()
+    assert lib is not None  # has_half_linear() loaded it
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.long)
+    status = lib.tg_argmax_rows(
+        logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
+    return out if status == 0 else None
