@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "simd.h"
@@ -231,10 +232,10 @@ int run(const T* q, int64_t q_stride, const T* cache, const int64_t* table, T* o
   const int64_t values_offset = num_kv_heads * head_stride;
   const int64_t tiles = (len + kKeys - 1) / kKeys;
   const int64_t per_head = tiles * kKeys * D;  // floats of one head's keys (and of its values)
-  thread_local std::vector<float> widened;
-  widened.resize(static_cast<size_t>(2 * num_kv_heads * per_head + 8));
+  // Per call, not kept: a long context widens to tens of MB (every element is written below).
+  std::unique_ptr<float[]> widened(new float[2 * num_kv_heads * per_head + 8]);
   // 32-byte aligned start: the tiles' rows are read with aligned loads.
-  float* base = widened.data();
+  float* base = widened.get();
   base += (8 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 8) % 8;
   const int64_t spans = (n + kPositions - 1) / kPositions;
   const int64_t items = num_kv_heads * spans;
