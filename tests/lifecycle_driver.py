@@ -33,6 +33,7 @@ from lifecycle_model import RequestModel
 BOUND = 30.0  # seconds: any single call, and the final drain, must finish within it
 MIN_RSS = 16 << 20  # bytes: a process with torch loaded holds far more
 RSS_SLACK = 1 << 20  # bytes: the peak as getrusage and /proc report it, read apart in time
+VICTIM_PATIENCE = 8  # steps
 DUE = 10.0  # seconds: a request a call ended must have its terminal chunk by then (ms, really)
 
 
@@ -74,6 +75,7 @@ class EngineDriver:
         self.awake_memory: dict[str, int] = {}  # bytes once resident, the same ever after
         self.step_problems: list[str] = []  # found after a step (inside kinds)
         self.finished_stats: list[RequestStats] = []  # what observers were told
+        self.cache_victims: dict[str, int] = {}  # request id: the step it became a victim at
         self.engine.observers.append(self)
         if self.inside:
             self.portal.call(self._attach)
@@ -105,6 +107,19 @@ class EngineDriver:
         self.step_problems += prefix_problems(bm, scheduler.running)
         failing = {i for ids in self.faults.cache_not_ready_at.values() for i in ids}
         self.step_problems += window_problems(scheduler, skip=failing)
+        self._arm_cache_victims(scheduler)
+
+    def _arm_cache_victims(self, scheduler: Any) -> None:
+        """A victim's cache is not ready in the next step once it runs beside another
+        request (whose step must go on undisturbed), or alone after ``VICTIM_PATIENCE``
+        steps."""
+        running = {seq.seq_id for seq in scheduler.running}
+        steps = self.faults.num_steps
+        for victim, since in list(self.cache_victims.items()):
+            if self.engine._loop.tracker.get(victim) is None:
+                del self.cache_victims[victim]  # it ended
+            elif victim in running and (len(running) > 1 or steps >= since + VICTIM_PATIENCE):
+                self.faults.cache_not_ready_at.setdefault(steps + 1, set()).add(victim)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``await fn(*args)`` in the loop, bounded; return its result or its exception."""
