@@ -147,15 +147,22 @@ class RejectingMatcher(GrammarMatcher):
         raise GrammarRejectedError(-1, GRAMMAR_FAULT)
 
 
-def reject_grammar(engine: Any, request_id: str) -> bool:
+async def reject_grammar(engine: Any, request_id: str) -> bool:
     """From its next step on, ``request_id``'s grammar rejects its tokens; False if it has
-    ended or is not constrained (the engine's internals: in-process kinds only)."""
-    tracker = engine._loop.tracker
-    request = tracker.get(request_id) if tracker is not None else None
-    if request is None or request.grammar is None:
-        return False
-    request.grammar = RejectingMatcher(request.grammar)
-    return True
+    ended or is not constrained (the engine's internals: in-process kinds only).
+
+    Between two steps, under the loop's step lock: a step's bitmask thread may be bringing
+    the matcher up to date, and the rejecting matcher shares its grammar state but copies
+    its count of consumed tokens (taken while that thread consumed a token, the count is
+    one short: the next step replays that token into the shared state, which rejects it
+    with a parser error instead of the injected fault)."""
+    async with engine._loop.step_lock:
+        tracker = engine._loop.tracker
+        request = tracker.get(request_id) if tracker is not None else None
+        if request is None or request.grammar is None:
+            return False
+        request.grammar = RejectingMatcher(request.grammar)
+        return True
 
 
 def check_sampling(

@@ -884,7 +884,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         victim = self.admit(pick % len(PROMPTS), MAX_TOKENS, sampling="regex")
         self.admit((pick + 1) % len(PROMPTS), MAX_TOKENS, sampling="choice")
         assert victim is not None
-        if self.d.run_sync(reject_grammar, self.d.engine, victim.request_id):
+        rejects = self.d.call(reject_grammar, self.d.engine, victim.request_id)
+        assert isinstance(rejects, bool), rejects
+        if rejects:
             victim.may_end("error", grammar_error_text(), now=False)  # at its next sample
         late = self.d.wait_ended([victim])
         assert not late, f"a request whose grammar rejects it did not end: {late}"
