@@ -436,9 +436,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         n: int = 1,
         seed: int | None = None,
         temperature: float = 0.0,
+        dying: list[Exception] | None = None,
     ) -> RequestModel | None:
         """Submit a request; returns the model of its (first) sequence, None if refused.
-        ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs"."""
+        ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs". ``dying``: a fault
+        that kills the engine is armed, so ``EngineDeadError`` may refuse it (added there)."""
         model = self.model
         want = model.admission_error()
         stop_token = None
@@ -485,6 +487,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             prompt_logprobs=PROMPT_LOGPROBS if req.logprobs else None,
         )
         error = self.d.admit(self.tg, members, PROMPTS[prompt], params)
+        if want is None and dying is not None and isinstance(error, EngineDeadError):
+            dying.append(error)
+            return None
         if want is None:
             assert error is None, error
             return req
@@ -924,7 +929,11 @@ class LifecycleMachine(RuleBasedStateMachine):
                 faults.hang_at.add(faults.num_steps + 2)
 
         self.d.run_sync(arm)
-        self.admit(0, MAX_TOKENS)
+        # a request, so that a step comes; but one that runs already takes the armed step
+        # at once, and the engine may be dead of it before this request reaches it (the
+        # cache-error sub-step leaves its sibling running): refused then with that death
+        refused: list[Exception] = []
+        self.admit(0, MAX_TOKENS, dying=refused)
         for req in self.d.requests:
             if not req.checked:  # even if its consumer has already seen the error
                 req.may_end("error", death_error_text(kind))
@@ -933,6 +942,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not late, f"requests not ended by the engine's death: {late}"
         dead = self.d.run_future.exception(timeout=BOUND)
         assert isinstance(dead, EngineDeadError), dead
+        assert all(r.__cause__ is dead.__cause__ for r in refused), (refused, dead)
         if kind == "raise":
             assert dead.__cause__ is boom
         else:
