@@ -25,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from safetensors.torch import save_file
 
 from tgengine import (
     EngineDeadError,
@@ -56,8 +59,10 @@ from tgengine import (
     SamplingParams,
 )
 from tgengine._faults import FaultInjector
+from tgengine.models import kernels
+from tgengine.models.gemm import can_pack_panels
 
-from engine_helpers import engine_threads, hf_greedy, tiny_config
+from engine_helpers import engine_threads, hf_greedy, hf_greedy_with_margin, tiny_config
 from lifecycle_driver import (
     BOUND,
     EngineDriver,
@@ -123,6 +128,13 @@ PROCESS_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_PROCESS_EXAMPLES", "1
 # the sliding-window model's run (uni kind): its first example is that simplest one too
 WINDOW_EXAMPLES = int(os.environ.get("TGENGINE_HYPOTHESIS_WINDOW_EXAMPLES", "2"))
 STEPS = int(os.environ.get("TGENGINE_HYPOTHESIS_STEPS", "25"))
+# the int8 start: a greedy request of this prompt, checked against transformers on the
+# dequantized weights, whose top-1 logit must lead by INT8_MARGIN at every token (its
+# steps run in bfloat16: their log probabilities came within 0.03 of float32's)
+INT8_PROMPT = 5
+INT8_TOKENS = 8
+INT8_MARGIN = 0.05
+INT8_TOLERANCE = 0.1
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
 
@@ -226,6 +238,40 @@ def logprobs_reference(dir_a: str, dir_b: str) -> dict[str, dict[int, LogprobRef
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Int8Reference:
+    tokens: list[int]  # transformers' greedy tokens on the dequantized weights
+    margin: float  # their smallest top-1 logit lead
+    rows: LogprobReference
+    bytes_low: int  # the weights' bytes: bfloat16, but one byte per linear weight
+
+
+@functools.lru_cache(maxsize=2)
+def int8_reference(model_dir: str) -> Int8Reference:
+    """What an int8 start of ``model_dir`` must serve for ``INT8_PROMPT``: the weights in
+    bfloat16, each linear weight (the embedding too, where the head shares it) rounded to
+    int8 per row and dequantized, written once beside the model as float32 for
+    transformers."""
+    source = Path(model_dir)
+    target = source.with_name(f"{source.name}-int8-dequantized")
+    tied = bool(json.loads((source / "config.json").read_text()).get("tie_word_embeddings"))
+    linear = ("proj.weight", "lm_head.weight", *(["embed_tokens.weight"] if tied else []))
+    named, low = {}, 0
+    for name, tensor in read_dir_weights(source):
+        weight = tensor.to(torch.bfloat16)
+        low += weight.numel() * (1 if name.endswith(linear) else 2)
+        if name.endswith(linear):
+            panels, scales = kernels.quantize_panels(weight)
+            weight = kernels.dequantize_rows(panels, scales, torch.arange(weight.shape[0]))
+        named[name] = weight.float().contiguous()
+    if not target.exists():
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors*"))
+        save_file(named, str(target / "model.safetensors"), metadata={"format": "pt"})
+    prompt = PROMPTS[INT8_PROMPT]
+    tokens, margin = hf_greedy_with_margin(target, prompt, INT8_TOKENS)
+    return Int8Reference(tokens, margin, logprob_reference(str(target), prompt, tokens), low)
+
+
 @functools.lru_cache(maxsize=1)
 def tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
@@ -312,13 +358,39 @@ class LifecycleMachine(RuleBasedStateMachine):
     def start_fresh_engine_after_a_refusal(self) -> None:
         """A refused start, then a fresh engine whose KV cache is sized by memory: the
         refusal names one block's size, and a budget of ``NUM_BLOCKS`` of them must give
-        exactly ``NUM_BLOCKS`` blocks. The first time, in between, the smallest engine."""
+        exactly ``NUM_BLOCKS`` blocks. The first time, in between, the other refused start,
+        the smallest engine and an int8 one."""
         block_bytes = self.refused_start()
         if not self.smallest_started:
             self.smallest_started = True
             self.refused_start("quantized float32")
             self.smallest_start(block_bytes)
+            self.quantized_start()
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
+
+    def serve_once(
+        self, config: Any, prompt: list[int], params: SamplingParams
+    ) -> tuple[list[Any], int, int]:
+        """Start an extra engine of ``config``, serve one request, stop it, and check that
+        it left no process behind: its chunks, its KV blocks (the process kind: -1, not
+        shown) and its weights' bytes while it ran."""
+        children = child_pids()
+        engine = make_engine(self.kind, config, FaultInjector())
+        run, _ = self.portal.start_task(engine.run)
+
+        async def serve() -> list[Any]:
+            with anyio.fail_after(BOUND):
+                return [chunk async for chunk in engine.generate(prompt, params)]
+
+        try:
+            chunks = self.portal.call(serve)
+            blocks = engine.stats().num_total_blocks if self.kind != "process" else -1
+            memory = self.portal.call(engine.memory_stats)
+        finally:
+            self.portal.call(engine.stop)
+        assert run.result(timeout=BOUND) is None
+        assert child_pids() <= children, f"an engine of {config} left a process behind"
+        return chunks, blocks, sum(m.weights_bytes for m in memory.values())
 
     def smallest_start(self, block_bytes: int) -> None:
         """A KV cache budget of exactly one block is the smallest that starts: the engine
@@ -328,25 +400,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         config = tiny_config(
             self.dir_a, num_blocks=None, kv_cache_memory=block_bytes, max_model_len=MAX_MODEL_LEN
         )
-        children = child_pids()
-        engine = make_engine(self.kind, config, FaultInjector())
-        run, _ = self.portal.start_task(engine.run)
         prompt = PROMPTS[5][:2]
         params = SamplingParams(
             max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1
         )
-
-        async def serve() -> list[Any]:
-            with anyio.fail_after(BOUND):
-                return [chunk async for chunk in engine.generate(prompt, params)]
-
-        try:
-            chunks = self.portal.call(serve)
-            blocks = engine.stats().num_total_blocks if self.kind != "process" else 1
-        finally:
-            self.portal.call(engine.stop)
-        assert run.result(timeout=BOUND) is None
-        assert blocks == 1, f"{blocks} KV blocks planned for a budget of one block"
+        chunks, blocks, _ = self.serve_once(config, prompt, params)
+        assert blocks in (1, -1), f"{blocks} KV blocks planned for a budget of one block"
         want = hf_greedy(self.dir_a, prompt, 1)
         got = [(c.token_ids, c.finish_reason) for c in chunks]
         assert got == [(want, "length")], (got, want)
@@ -360,7 +419,38 @@ class LifecycleMachine(RuleBasedStateMachine):
             f is not None and w is not None and abs(f - w) <= TOLERANCE
             for f, w in zip(figures, wants, strict=True)
         ), (figures, wants)
-        assert child_pids() <= children, "the smallest engine left a process behind"
+
+    def quantized_start(self) -> None:
+        """An int8 start (``quantization="int8"`` on the model in bfloat16; where this CPU
+        runs int8 panels) serves a greedy request with log probabilities: its tokens are
+        transformers' on the weights it holds (each linear weight's rows rounded to int8
+        with their own scale, dequantized), its figures within ``INT8_TOLERANCE`` of
+        transformers', and its weights take about one byte per linear weight."""
+        if not can_pack_panels(torch.bfloat16):
+            return
+        config = tiny_config(
+            self.dir_a,
+            dtype="bfloat16",
+            quantization="int8",
+            num_blocks=NUM_BLOCKS,
+            max_model_len=MAX_MODEL_LEN,
+        )
+        prompt = PROMPTS[INT8_PROMPT]
+        params = SamplingParams(
+            max_tokens=INT8_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1
+        )
+        chunks, _, size = self.serve_once(config, prompt, params)
+        ref = int8_reference(str(self.dir_a))
+        assert ref.margin >= INT8_MARGIN, f"the int8 reference leads by {ref.margin} only"
+        tokens = [t for c in chunks for t in c.token_ids]
+        reasons = [c.finish_reason for c in chunks]
+        assert (tokens, reasons[-1]) == (ref.tokens, "length"), (tokens, reasons, ref.tokens)
+        figures = [f for c in chunks for f in c.logprobs or []]
+        wants = [float(ref.rows.rows[i, t]) for i, t in enumerate(ref.tokens)]
+        assert len(figures) == len(wants) and all(
+            abs(f - w) <= INT8_TOLERANCE for f, w in zip(figures, wants, strict=True)
+        ), (figures, wants)
+        assert ref.bytes_low <= size <= ref.bytes_low * 1.05, (size, ref.bytes_low)
 
     @property
     def d(self) -> EngineDriver:
