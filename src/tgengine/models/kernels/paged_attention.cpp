@@ -234,12 +234,7 @@ int dispatch(const void* q, const void* cache, const int64_t* tables, const int6
                        static_cast<T*>(out), num_seqs, num_heads, num_kv_heads, num_blocks,   \
                        block_size, table_width, window, scale, threads);
   switch (head_dim) {
-    TG_HEAD_DIM(32)
-    TG_HEAD_DIM(64)
-    TG_HEAD_DIM(80)
-    TG_HEAD_DIM(96)
-    TG_HEAD_DIM(128)
-    TG_HEAD_DIM(256)
+    TG_HEAD_DIMS(TG_HEAD_DIM)
     default:
       return 2;
   }

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -95,50 +96,36 @@ inline void add_values_block(const float* p, const float* v, float* o, int c) {
   }
 }
 
-template <int D>
-void scores(int rows, const float* q, const float* kt, float* s) {
-  for (int c = 0; c < kKeys; c += 16) {
-    int r = 0;
-    for (; r + kBlock <= rows; r += kBlock)
-      score_block<D, kBlock>(q + r * D, kt + c, s + r * kKeys + c);
-    switch (rows - r) {
-#define TG_REST(N)                                                 \
-  case N:                                                          \
-    score_block<D, N>(q + r * D, kt + c, s + r * kKeys + c);       \
-    break;
-      TG_REST(1)
-      TG_REST(2)
-      TG_REST(3)
-      TG_REST(4)
-      TG_REST(5)
-#undef TG_REST
-      default:
-        break;
-    }
+// f(r, R) for each block of rows [r, r + R) of `rows`: blocks of kBlock, then the rest; R is a
+// std::integral_constant, so each block size is its own register-blocked instantiation.
+template <typename F>
+inline void for_row_blocks(int rows, F&& f) {
+  int r = 0;
+  for (; r + kBlock <= rows; r += kBlock) f(r, std::integral_constant<int, kBlock>{});
+  switch (rows - r) {
+    case 5: f(r, std::integral_constant<int, 5>{}); break;
+    case 4: f(r, std::integral_constant<int, 4>{}); break;
+    case 3: f(r, std::integral_constant<int, 3>{}); break;
+    case 2: f(r, std::integral_constant<int, 2>{}); break;
+    case 1: f(r, std::integral_constant<int, 1>{}); break;
+    default: break;
   }
 }
 
 template <int D>
+void scores(int rows, const float* q, const float* kt, float* s) {
+  for (int c = 0; c < kKeys; c += 16)
+    for_row_blocks(rows, [&](int r, auto block) {
+      score_block<D, decltype(block)::value>(q + r * D, kt + c, s + r * kKeys + c);
+    });
+}
+
+template <int D>
 void add_values(int rows, const float* p, const float* v, float* o) {
-  for (int c = 0; c < D; c += 16) {
-    int r = 0;
-    for (; r + kBlock <= rows; r += kBlock)
-      add_values_block<D, kBlock>(p + r * kKeys, v, o + r * D, c);
-    switch (rows - r) {
-#define TG_REST(N)                                                   \
-  case N:                                                            \
-    add_values_block<D, N>(p + r * kKeys, v, o + r * D, c);          \
-    break;
-      TG_REST(1)
-      TG_REST(2)
-      TG_REST(3)
-      TG_REST(4)
-      TG_REST(5)
-#undef TG_REST
-      default:
-        break;
-    }
-  }
+  for (int c = 0; c < D; c += 16)
+    for_row_blocks(rows, [&](int r, auto block) {
+      add_values_block<D, decltype(block)::value>(p + r * kKeys, v, o + r * D, c);
+    });
 }
 
 // One work item: query positions [i0, i1) of KV head `head`, rows ordered (position, group).
@@ -280,12 +267,7 @@ int dispatch(const void* q, int64_t q_stride, const void* cache, const int64_t* 
                        static_cast<T*>(out), out_stride, n, len, num_heads, num_kv_heads,       \
                        num_blocks, block_size, window, scale, threads);
   switch (head_dim) {
-    TG_HEAD_DIM(32)
-    TG_HEAD_DIM(64)
-    TG_HEAD_DIM(80)
-    TG_HEAD_DIM(96)
-    TG_HEAD_DIM(128)
-    TG_HEAD_DIM(256)
+    TG_HEAD_DIMS(TG_HEAD_DIM)
     default:
       return 2;
   }

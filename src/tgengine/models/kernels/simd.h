@@ -7,6 +7,10 @@
 #include <cstring>
 #include <type_traits>
 
+// The head dims the attention kernels are instantiated for (kernels/__init__.py's _HEAD_DIMS):
+// X(dim) for each.
+#define TG_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
+
 namespace tg {
 
 inline float to_float(float x) { return x; }
