@@ -31,6 +31,7 @@ ENGINE_OPTIONS: dict[tuple[str, ...], tuple[str, str, Any]] = {
     ("--prepack-weights",): ("engine", "prepack_weights", True),  # the default, said aloud
     ("--quantization", "int8"): ("engine", "quantization", "int8"),
     ("--threads", "3"): ("engine", "num_threads", 3),
+    ("--tokenizer-mode", "hf"): ("engine", "tokenizer_mode", "hf"),
     ("--tensor-parallel-size", "2"): ("engine", "tensor_parallel_size", 2),
     ("--executor", "mp"): ("engine", "executor", "mp"),
     ("--ray-address", "auto"): ("engine", "ray_address", "auto"),

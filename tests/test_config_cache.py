@@ -69,7 +69,7 @@ def test_a_broken_or_unwritable_cache_is_skipped(
 
 
 def test_only_the_newest_entries_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_cache, "MAX_ENTRIES", 2)
+    monkeypatch.setattr(config_cache.CACHE, "max_entries", 2)
     model_dir = make_tiny_model_dir(tmp_path / "m", "llama")
     raw = read_config(model_dir)
     for eps in (0.5, 0.25, 0.125):

@@ -8,6 +8,7 @@ from typing import Literal
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("uni", "mp", "ray")
 QUANTIZATIONS = ("int8",)
+TOKENIZER_MODES = ("auto", "hf")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -25,6 +26,9 @@ class EngineConfig:
     ``quantization``: ``"int8"`` quantizes the linear weights of a bf16/fp16 model on CPU
     to int8, one scale per output row (weight-only: activations and the KV cache keep the
     dtype; half the bytes per decode step; needs ``prepack_weights``). See docs/quantization.md.
+    ``tokenizer_mode``: ``"auto"`` runs the directory's ``tokenizer.json`` with the tokenizers
+    library where transformers would run it as it is (no transformers import at start-up),
+    else transformers' ``AutoTokenizer``; ``"hf"``: always ``AutoTokenizer``. See docs/engine.md.
 
     ``tensor_parallel_size`` ranks each hold a shard of the model; ``executor`` runs them:
     ``"uni"`` (one rank, in this process), ``"mp"`` (one worker process per rank) or
@@ -50,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = 0.85
     tokenizer: str | None = None
+    tokenizer_mode: Literal["auto", "hf"] = "auto"
     num_threads: int | None = None
     prepack_weights: bool = True
     quantization: Literal["int8"] | None = None
@@ -88,6 +93,10 @@ class EngineConfig:
                 )
             if not self.prepack_weights:
                 raise ValueError("quantization: int8 weights are packed; needs prepack_weights")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode: must be one of {TOKENIZER_MODES}, got {self.tokenizer_mode!r}"
+            )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.executor is not None and self.executor not in EXECUTORS:
             raise ValueError(f"executor: must be one of {EXECUTORS} or None, got {self.executor!r}")

@@ -122,7 +122,9 @@ class Engine:
 
     async def _load_tokenizer(self, loaded: anyio.Event) -> None:
         source = self.config.tokenizer or self.config.model
-        self._tokenizer = await anyio.to_thread.run_sync(load_tokenizer, source)
+        self._tokenizer = await anyio.to_thread.run_sync(
+            load_tokenizer, source, self.config.tokenizer_mode
+        )
         loaded.set()
 
     def stop(self, grace: float = 0.0) -> None:

@@ -47,6 +47,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "output row (weight-only; docs/quantization.md); default: none",
     )
     parser.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        choices=["auto", "hf"],
+        help="auto: run the model's tokenizer.json with the tokenizers library where "
+        "transformers would run it unchanged, else AutoTokenizer; hf: always AutoTokenizer "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         metavar="N",
@@ -98,6 +106,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         max_model_len=args.max_model_len,
         prepack_weights=args.prepack_weights,
         quantization=args.quantization,
+        tokenizer_mode=args.tokenizer_mode,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,

@@ -124,7 +124,9 @@ class ProcessEngine:
                     )
                     self._send(Setup(self.config, self._faults))
                     tokenizer = await anyio.to_thread.run_sync(
-                        load_tokenizer, self.config.tokenizer or self.config.model
+                        load_tokenizer,
+                        self.config.tokenizer or self.config.model,
+                        self.config.tokenizer_mode,
                     )
                     await self._started.wait()
                     assert self._ready is not None
