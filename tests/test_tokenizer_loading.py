@@ -110,7 +110,9 @@ def _assert_same(ours: Any, theirs: Any) -> None:
     assert ours.special_tokens_map == {
         k: v for k, v in theirs.special_tokens_map.items() if isinstance(v, str)
     }
-    assert len(ours) == len(theirs)
+    assert len(ours) == len(theirs) and ours.vocab_size == theirs.vocab_size
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours(TEXTS[0])["input_ids"] == theirs(TEXTS[0])["input_ids"]  # transformers' own
     assert ours.chat_template == theirs.chat_template
 
 

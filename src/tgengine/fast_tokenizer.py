@@ -81,8 +81,18 @@ class FastTokenizer:
     def is_fast(self) -> bool:
         return True
 
+    @property
+    def vocab_size(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf(*args, **kwargs)
 
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs:
