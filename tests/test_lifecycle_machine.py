@@ -135,6 +135,9 @@ INT8_PROMPT = 5
 INT8_TOKENS = 8
 INT8_MARGIN = 0.05
 INT8_TOLERANCE = 0.1
+# the request an engine with when_asleep="wait" holds through a level-2 sleep
+HELD_PROMPT = 2
+HELD_TOKENS = 4
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
 
@@ -366,21 +369,30 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.refused_start("quantized float32")
             self.smallest_start(block_bytes)
             self.quantized_start()
+            self.held_through_sleep()
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
 
     def serve_once(
-        self, config: Any, prompt: list[int], params: SamplingParams
+        self, config: Any, prompt: list[int], params: SamplingParams, *, asleep: bool = False
     ) -> tuple[list[Any], int, int]:
         """Start an extra engine of ``config``, serve one request, stop it, and check that
         it left no process behind: its chunks, its KV blocks (the process kind: -1, not
-        shown) and its weights' bytes while it ran."""
+        shown) and its weights' bytes while it ran. ``asleep`` (``when_asleep="wait"``): the
+        engine sleeps (level 2) before the request comes, so it is held, then wakes up one
+        tag at a time; its chunks are read only then."""
         children = child_pids()
         engine = make_engine(self.kind, config, FaultInjector())
         run, _ = self.portal.start_task(engine.run)
 
         async def serve() -> list[Any]:
             with anyio.fail_after(BOUND):
-                return [chunk async for chunk in engine.generate(prompt, params)]
+                if asleep:
+                    await engine.sleep(2)
+                stream = engine.generate(prompt, params)
+                if asleep:
+                    await engine.wakeup(["kv_cache"])  # still asleep: held
+                    await engine.wakeup(["weights"])  # awake: serves
+                return [chunk async for chunk in stream]
 
         try:
             chunks = self.portal.call(serve)
@@ -419,6 +431,22 @@ class LifecycleMachine(RuleBasedStateMachine):
             f is not None and w is not None and abs(f - w) <= TOLERANCE
             for f, w in zip(figures, wants, strict=True)
         ), (figures, wants)
+
+    def held_through_sleep(self) -> None:
+        """An engine with ``when_asleep="wait"`` takes a request while it sleeps (held) and
+        serves it once every tag is awake again: the greedy reference's tokens, "length".
+        The machine's own engine draws ``when_asleep``, and which examples hold a request
+        over a whole wakeup is luck (round 23: no derandomized example did); here, once
+        per example, it is certain (fixed sub-steps: no draws)."""
+        config = tiny_config(
+            self.dir_a, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, when_asleep="wait"
+        )
+        params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, ignore_eos=True)
+        chunks, _, _ = self.serve_once(config, PROMPTS[HELD_PROMPT], params, asleep=True)
+        want = self.reference["A"][HELD_PROMPT]
+        assert want is not None
+        got = ([t for c in chunks for t in c.token_ids], chunks[-1].finish_reason)
+        assert got == (want[:HELD_TOKENS], "length"), (got, want)
 
     def quantized_start(self) -> None:
         """An int8 start (``quantization="int8"`` on the model in bfloat16; where this CPU
