@@ -167,6 +167,7 @@ class RequestModel:
     index: int = 0  # its sequence's index among the request's n
     seed: int | None = None  # sampled (temperature > 0) with this seed (its sequence's: seed + i)
     temperature: float = 0.0
+    version: int = 0  # the engine's weight_version when it was admitted: no chunk is older
     seen_end: bool = False  # its consumer has seen its terminal chunk
     allowed: set[str] = field(default_factory=set)
     error_kinds: set[str] = field(default_factory=set)
@@ -242,7 +243,8 @@ def check_outcome(
     )
     assert all(c.request_id == req.public_id and c.index == req.index for c in chunks), where
     versions = [c.weight_version for c in chunks]
-    assert versions == sorted(versions) and all(v <= version for v in versions), (where, versions)
+    assert versions == sorted(versions), (where, versions)
+    assert all(req.version <= v <= version for v in versions), (where, req.version, versions)
     unseen = req.engine_reason is None and not req.engine_known  # a consumer that left early
     assert req.engine_reason in req.allowed or unseen, (where, req.engine_reason)
     if req.broke or req.cancelled:

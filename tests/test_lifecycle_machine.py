@@ -579,6 +579,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 index=i,
                 seed=None if seed is None else seed + i,
                 temperature=temperature,
+                version=model.version,
                 engine_no=self.d.number,
                 prompt=prompt,
                 max_tokens=produced,
@@ -753,7 +754,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         disk: a new ``weight_version``) and the KV cache one at a time, in either order,
         checking the engine between the steps; on the way, an update refused while the
         weights sleep, a level-1 sleep after the first wakeup (it releases that memory
-        again), and, weights first, new weights before the KV cache wakes (the RL cycle).
+        again), and, weights first, new weights before the KV cache wakes (the RL cycle);
+        then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
+        after it: refused) and a resume.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
@@ -771,6 +774,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.update_weights("B")  # the RL cycle: new weights before the KV cache wakes
         self.wakeup(second, busy=True)
         self.check_engine()
+        # paused already ("keep"), a pause in "abort" mode still takes that mode: what it
+        # froze ends, and new requests are refused until resume
+        self.pause("keep", busy=True)
+        self.pause("abort")
+        self.admit(0, 1)  # refused: EnginePausedError
+        self.resume()
 
     def weights_are(self, weights: str) -> None:
         for req in self.live():
