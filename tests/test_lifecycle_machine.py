@@ -135,9 +135,6 @@ INT8_PROMPT = 5
 INT8_TOKENS = 8
 INT8_MARGIN = 0.05
 INT8_TOLERANCE = 0.1
-# the request an engine with when_asleep="wait" holds through a level-2 sleep
-HELD_PROMPT = 2
-HELD_TOKENS = 4
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
 
 
@@ -434,19 +431,40 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def held_through_sleep(self) -> None:
         """An engine with ``when_asleep="wait"`` takes a request while it sleeps (held) and
-        serves it once every tag is awake again: the greedy reference's tokens, "length".
-        The machine's own engine draws ``when_asleep``, and which examples hold a request
-        over a whole wakeup is luck (round 23: no derandomized example did); here, once
-        per example, it is certain (fixed sub-steps: no draws)."""
+        serves it once every tag is awake again. The machine's own engine draws
+        ``when_asleep``, and which examples hold a request over a whole wakeup is luck
+        (round 23: no derandomized example did); here, once per example, it is certain
+        (fixed sub-steps: no draws). The request asks for ``n=2`` greedy sequences under
+        the ``choice`` constraint (the request rules never combine the two): each must be
+        transformers' constrained greedy tokens, up to the EOS that ends them."""
         config = tiny_config(
             self.dir_a, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, when_asleep="wait"
         )
-        params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, ignore_eos=True)
-        chunks, _, _ = self.serve_once(config, PROMPTS[HELD_PROMPT], params, asleep=True)
-        want = self.reference["A"][HELD_PROMPT]
+        ref = self.reference["A"]
+        prompt = next(p for p in range(len(PROMPTS)) if ref[(p, "choice")] is not None)
+        model = RequestModel(
+            request_id="held",
+            engine_no=0,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            stop_token=None,
+            weights="A",
+            break_after=None,
+            held=True,
+            constraint="choice",
+            eos_ids=eos_ids(str(self.dir_a)),
+        )
+        want = model.natural_tokens(self.reference)
         assert want is not None
-        got = ([t for c in chunks for t in c.token_ids], chunks[-1].finish_reason)
-        assert got == (want[:HELD_TOKENS], "length"), (got, want)
+        reason = "stop" if want[-1] in model.eos_ids else "length"
+        params = SamplingParams(
+            n=2, max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=CASES["choice"]
+        )
+        chunks, _, _ = self.serve_once(config, PROMPTS[prompt], params, asleep=True)
+        for index in (0, 1):
+            mine = [c for c in chunks if c.index == index]
+            got = ([t for c in mine for t in c.token_ids], mine[-1].finish_reason if mine else None)
+            assert got == (want, reason), (index, got, want)
 
     def quantized_start(self) -> None:
         """An int8 start (``quantization="int8"`` on the model in bfloat16; where this CPU
