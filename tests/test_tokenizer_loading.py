@@ -227,6 +227,22 @@ def test_spaces_cleaned_up_only_where_transformers_does(tmp_path: Path) -> None:
         _assert_same(second, theirs)
 
 
+def test_a_tokenizer_that_cannot_be_compared_keeps_auto_tokenizer(llama_dir: Path) -> None:
+    """Anything unlike what the comparison expects is a refusal with its reason, not a
+    failed start."""
+
+    class Odd:
+        special_tokens_map = property(lambda self: 1 / 0)
+
+    facts = tokenizer_facts.facts_of(Odd(), llama_dir)
+    assert not facts.plain and "not a tokenizers-backed class" in facts.reason
+    hf = _hf(llama_dir)
+    broken = type("Broken", (type(hf),), {"special_tokens_map": property(lambda self: 1 / 0)})
+    hf.__class__ = broken
+    facts = tokenizer_facts.facts_of(hf, llama_dir)
+    assert not facts.plain and "ZeroDivisionError" in facts.reason
+
+
 def test_a_directory_with_several_templates_keeps_auto_tokenizer(tmp_path: Path) -> None:
     model_dir = make_tiny_model_dir(tmp_path / "m", "llama")
     (model_dir / "additional_chat_templates").mkdir()

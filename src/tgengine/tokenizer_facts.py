@@ -122,7 +122,10 @@ def store(model_dir: Path, facts: TokenizerFacts) -> None:
 
 def facts_of(hf: Any, model_dir: Path) -> TokenizerFacts:
     """Compare transformers' tokenizer ``hf`` of ``model_dir`` with its ``tokenizer.json``."""
-    reason = _difference(hf, model_dir)
+    try:
+        reason = _difference(hf, model_dir)
+    except Exception as exc:  # a tokenizer unlike any tried: transformers keeps it, said why
+        reason = f"could not compare ({type(exc).__name__}: {exc})"
     return TokenizerFacts(plain=False, reason=reason) if reason else _plain_facts(hf)
 
 
