@@ -9,6 +9,7 @@ directory, loaded on first use (``hf``).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -193,3 +194,11 @@ def _is_one_plain_conversation(conversation: Any) -> bool:
         and bool(conversation)
         and all(type(message) is dict for message in conversation)
     )
+
+
+def pipeline_json(backend: tokenizers.Tokenizer) -> str:
+    """A tokenizers pipeline as JSON, without its padding and truncation (which a prompt's
+    ids do not depend on here), leaving ``backend`` itself unchanged."""
+    config = json.loads(backend.to_str())
+    config["padding"] = config["truncation"] = None
+    return json.dumps(config)

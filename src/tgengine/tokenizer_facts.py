@@ -17,7 +17,6 @@ directory build a ``FastTokenizer`` from it without importing transformers.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,13 +147,13 @@ def _difference(hf: Any, model_dir: Path) -> str:
     template = hf.chat_template
     if template is not None and (not isinstance(template, str) or has_generation_tag(template)):
         return "several chat templates, or one that marks assistant tokens"
-    if (model_dir / "additional_chat_templates").exists():
-        return "several chat templates"
     try:
         file = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     except Exception as exc:  # tokenizers raises a bare Exception (missing file, bad JSON)
         return f"tokenizer.json does not load: {exc}"
-    if _pipeline(hf.backend_tokenizer) != _pipeline(file):
+    if fast_tokenizer_module.pipeline_json(
+        hf.backend_tokenizer
+    ) != fast_tokenizer_module.pipeline_json(file):
         return f"{type(hf).__name__} changes tokenizer.json's pipeline"
     fast = fast_tokenizer_module.FastTokenizer(str(model_dir), file, _plain_facts(hf))
     return _probe_difference(fast, hf)
@@ -203,12 +202,6 @@ def _rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str
         )
     except Exception as exc:  # a template may refuse a conversation: then both must
         return f"<{type(exc).__name__}: {exc}>"
-
-
-def _pipeline(backend: tokenizers.Tokenizer) -> Any:
-    config = json.loads(backend.to_str())
-    config["padding"] = config["truncation"] = None
-    return config
 
 
 def _cleans_up_spaces(hf: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import EngineConfig
+from ..config import TOKENIZER_MODES, EngineConfig
 from ..errors import TGEngineError
 
 
@@ -49,7 +49,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer-mode",
         default="auto",
-        choices=["auto", "hf"],
+        choices=TOKENIZER_MODES,
         help="auto: run the model's tokenizer.json with the tokenizers library where "
         "transformers would run it unchanged, else AutoTokenizer; hf: always AutoTokenizer "
         "(default: %(default)s)",

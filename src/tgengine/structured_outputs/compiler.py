@@ -9,7 +9,6 @@ tokenizer, so the cache is keyed by (constraint, tokenizer)) and every request g
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from ..errors import InvalidRequestError
+from ..fast_tokenizer import pipeline_json
 from .matcher import GrammarMatcher
 from .params import FIELD, StructuredOutputsParams
 
@@ -34,8 +34,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         eos = list(eos_token_ids) or getattr(tokenizer, "eos_token_id", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured outputs need a fast tokenizer (a tokenizer.json)")
+        # What llguidance.hf.from_tokenizer reads, for transformers' tokenizers and ours.
         self.ll_tokenizer = llguidance.LLTokenizer(
-            _pipeline_json(tokenizer), n_vocab=vocab_size, eos_token=eos
+            pipeline_json(backend), n_vocab=vocab_size, eos_token=eos
         )
         self.vocab_size = vocab_size
         self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile_uncached)
@@ -74,18 +78,6 @@ def _grammar(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise InvalidRequestError(FIELD, f"{kind}: {_first_line(str(exc))}") from exc
-
-
-def _pipeline_json(tokenizer: Any) -> str:
-    """The tokenizers-library pipeline of a fast tokenizer (transformers' or ``FastTokenizer``),
-    as JSON, without padding or truncation (what ``llguidance.hf.from_tokenizer`` reads)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError("structured outputs need a fast tokenizer (a tokenizer.json)")
-    backend = copy.copy(backend)
-    backend.no_padding()
-    backend.no_truncation()
-    return str(backend.to_str())
 
 
 def _first_line(message: str) -> str:
