@@ -151,9 +151,8 @@ def _difference(hf: Any, model_dir: Path) -> str:
         file = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     except Exception as exc:  # tokenizers raises a bare Exception (missing file, bad JSON)
         return f"tokenizer.json does not load: {exc}"
-    if fast_tokenizer_module.pipeline_json(
-        hf.backend_tokenizer
-    ) != fast_tokenizer_module.pipeline_json(file):
+    theirs, ours = (fast_tokenizer_module.pipeline_json(t) for t in (hf.backend_tokenizer, file))
+    if theirs != ours:
         return f"{type(hf).__name__} changes tokenizer.json's pipeline"
     fast = fast_tokenizer_module.FastTokenizer(str(model_dir), file, _plain_facts(hf))
     return _probe_difference(fast, hf)
