@@ -239,7 +239,9 @@ def test_panel_linear_blocks_of_rows_and_threads_change_no_value() -> None:
     bias = torch.randn(n).bfloat16()
     panels = kernels.pack_panels(weight)
     x = torch.randn(131, k).bfloat16()  # 4 blocks of 30 and a tail of 11
-    want = torch.cat([kernels.panel_linear(x[i : i + 6], panels, n, bias) for i in range(0, 131, 6)])
+    want = torch.cat(
+        [kernels.panel_linear(x[i : i + 6], panels, n, bias) for i in range(0, 131, 6)]
+    )
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
