@@ -230,23 +230,24 @@ def test_panel_linear_matches_the_float32_product(dtype: torch.dtype, n: int, k:
 
 @pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for panel_linear")
 def test_panel_linear_blocks_of_rows_and_threads_change_no_value() -> None:
-    """x is widened and multiplied a block of rows at a time (``block_rows``: 30 rows for
-    k = 1536), the panels split between the threads: every row count and thread count gives
-    each row's values exactly as one row alone does."""
+    """Few rows split the panels between the threads; many (4 blocks a thread and more) are
+    widened and multiplied a block of rows at a time (``block_rows``: 30 rows for k = 1536),
+    the blocks shared out. Every row count and thread count gives each row's values exactly
+    as 6 rows alone do."""
     torch.manual_seed(0)
     n, k = 97, 1536
     weight = torch.randn(n, k).bfloat16()
     bias = torch.randn(n).bfloat16()
     panels = kernels.pack_panels(weight)
-    x = torch.randn(131, k).bfloat16()  # 4 blocks of 30 and a tail of 11
+    x = torch.randn(371, k).bfloat16()  # 12 blocks of 30 and a tail of 11
     want = torch.cat(
-        [kernels.panel_linear(x[i : i + 6], panels, n, bias) for i in range(0, 131, 6)]
+        [kernels.panel_linear(x[i : i + 6], panels, n, bias) for i in range(0, 371, 6)]
     )
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for rows in (7, 30, 31, 60, 131):
+            for rows in (0, 2, 7, 30, 31, 119, 120, 371):
                 got = kernels.panel_linear(x[:rows], panels, n, bias)
                 assert torch.equal(got, want[:rows]), (count, rows)
     finally:

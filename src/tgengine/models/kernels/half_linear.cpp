@@ -17,7 +17,6 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#include <omp.h>
 
 namespace {
 
@@ -332,31 +331,40 @@ void block_product(const float* xb, int64_t r0, int64_t count, int64_t k, const 
   }
 }
 
-// Two or more rows: x is widened a block of rows at a time, every thread converting its share
-// of the block into one of two buffers (the block after next reuses the first: one barrier a
-// block), then each thread multiplies the block by its own panels. Widening all of x first,
-// on one thread, took 10-20 % of a 2,048-row prefill product at 2 threads, and a block that
-// stays in L2 is not streamed again from memory for every panel.
+// Two or more rows. Few of them (decode, a short prompt): x widened first, then the panels
+// split between the threads, one barrier. Many (a prefill chunk): each thread takes blocks
+// of rows in turn, widens each into its own buffer and multiplies it by every panel: no
+// barrier until the end, nothing widened twice (widening all of x on one thread first took
+// 10-20 % of a 2,048-row product at 2 threads), and a thread slowed by another process
+// takes fewer blocks. A block stays in L2 while the panels stream past it.
 template <int Dtype, typename W, typename Out>
 void panel_rows(const uint16_t* xh, int64_t m, int64_t k, const W* panels, const float* scales,
                 int64_t n, const float* b, Out* out, int threads) {
+  if (m == 0) return;
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t rows = block_rows(k, m);
-  thread_local std::vector<float> buffer;  // reused by the calls of this thread
-  if (buffer.size() < static_cast<size_t>(2 * rows * k)) buffer.resize(2 * rows * k);
-  float* const buffers = buffer.data();
+  const int64_t blocks = (m + rows - 1) / rows;
+  if (blocks < 4 * threads) {
+    thread_local std::vector<float> x;  // reused by this thread's calls: at most 4 blocks a thread
+    if (x.size() < static_cast<size_t>(m * k)) x.resize(m * k);
+    for (int64_t e = 0; e < m * k; ++e) x[e] = half_to_float(xh[e], Dtype);
+    const float* widened = x.data();  // x itself names another thread's buffer in the loop
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < num_panels; ++p)
+      block_product<Dtype, W, Out>(widened, 0, m, k, panels, p, p + 1, scales, b, n, out);
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    const int64_t p0 = num_panels * t / count, p1 = num_panels * (t + 1) / count;
-    for (int64_t r0 = 0, block = 0; r0 < m; r0 += rows, ++block) {
-      float* xb = buffers + (block % 2) * rows * k;
-      const int64_t size = (r0 + rows < m ? rows : m - r0) * k;
-      const int64_t e0 = size * t / count, e1 = size * (t + 1) / count;
+    thread_local std::vector<float> block;  // one block of rows, per thread
+    if (block.size() < static_cast<size_t>(rows * k)) block.resize(rows * k);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t r0 = i * rows, count = r0 + rows < m ? rows : m - r0;
       const uint16_t* src = xh + r0 * k;
-      for (int64_t e = e0; e < e1; ++e) xb[e] = half_to_float(src[e], Dtype);
-#pragma omp barrier
-      block_product<Dtype, W, Out>(xb, r0, size / k, k, panels, p0, p1, scales, b, n, out);
+      for (int64_t e = 0; e < count * k; ++e) block[e] = half_to_float(src[e], Dtype);
+      block_product<Dtype, W, Out>(block.data(), r0, count, k, panels, 0, num_panels, scales, b,
+                                   n, out);
     }
   }
 }
