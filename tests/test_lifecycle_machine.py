@@ -1122,6 +1122,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 "admission": admission_error(engine),
                 "problems": d.blocks_problems(kv_cache_resident=kv_alive)
                 + d.placement_problems(serving, held)
+                + d.stepping_problems(model.can_step)
                 + d.counter_problems()
                 + d.observer_problems()
                 + d.memory_problems(*model.memory()),
@@ -1134,6 +1135,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert snap["version"] == model.version, (snap["version"], model.version)
         want = model.admission_error()
         assert type(snap["admission"]) is (want or type(None)), (snap["admission"], want, model)
+        text = model.admission_text()
+        assert text is None or str(snap["admission"]) == text, (snap["admission"], text)
         assert not snap["problems"], snap["problems"]
         due = [r for r in d.requests if r.must_end and not r.done.is_set()]
         late = d.wait_ended(due)
