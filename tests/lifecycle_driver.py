@@ -356,6 +356,13 @@ class EngineDriver:
             return [f"held, yet scheduled before the engine serves: {sorted(held & scheduled)}"]
         return []
 
+    def stepping_problems(self, can_step: bool) -> list[str]:
+        """The engine steps exactly when the model says it may (running or stopping, every
+        tag awake): a paused engine must not go on stepping the requests it froze."""
+        if not self.inside or self.engine._can_step() == can_step:
+            return []
+        return [f"the engine may step: {not can_step}; the model: {can_step}"]
+
     def counter_problems(self) -> list[str]:
         """``stats()`` adds up: finished by reason = requests ended; prompt tokens admitted."""
         if not self.inside:
@@ -425,6 +432,9 @@ class EngineDriver:
                     f"resident memory {rss}, peak {peak} bytes; this process: {rss_now}, "
                     f"peak {peak_before}..{peak_after}"
                 )
+            if not stats.device.startswith("cuda") and stats.allocator != {}:
+                # docs/lifecycle.md: allocator figures on CUDA only; elsewhere none (a dict)
+                problems.append(f"{stats.device}: allocator figures {stats.allocator!r}")
             held = {
                 "weights": (weights, stats.weights_bytes),
                 "kv_cache": (kv_cache, stats.kv_cache_bytes),

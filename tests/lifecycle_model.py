@@ -72,6 +72,18 @@ class EngineModel:
             return EnginePausedError
         return None
 
+    def admission_text(self) -> str | None:
+        """The message of ``admission_error()`` where the model knows it (a death's names
+        its cause: not here)."""
+        if self.state in (S.STOPPING, S.STOPPED):
+            return f"engine is {self.state}; it admits no new requests"
+        if self.state is S.SLEEPING and self.when_asleep == "reject":
+            tags = ", ".join(sorted(self.sleeping))
+            return f"engine is sleeping (not resident: {tags}); call wakeup() first"
+        if self.state is S.PAUSED and self.pause_mode == "abort":
+            return "engine is paused (mode='abort'); call resume() first"
+        return None
+
     def holds_new_requests(self) -> bool:
         return self.state is not S.RUNNING
 

@@ -59,6 +59,7 @@ from tgengine import (
     SamplingParams,
 )
 from tgengine._faults import FaultInjector
+from tgengine.model_agent import CPU_KV_CACHE_BYTES
 from tgengine.models import kernels
 from tgengine.models.gemm import can_pack_panels
 
@@ -136,6 +137,12 @@ INT8_TOKENS = 8
 INT8_MARGIN = 0.05
 INT8_TOLERANCE = 0.1
 DERANDOMIZE = os.environ.get("TGENGINE_HYPOTHESIS_DERANDOMIZE") == "1"
+# the split-prompt start: a budget of SPLIT_BUDGET tokens per step splits this prompt's
+# prefill (22 tokens) over three steps; its greedy request holds EOS back for
+# SPLIT_MIN_TOKENS tokens
+SPLIT_PROMPT = 1
+SPLIT_BUDGET = 8
+SPLIT_MIN_TOKENS = 3
 
 
 # name: (method, its arguments, the field InvalidRequestError must name, and its bad value)
@@ -367,6 +374,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.smallest_start(block_bytes)
             self.quantized_start()
             self.held_through_sleep()
+            self.split_prompt_start(block_bytes)
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
 
     def serve_once(
@@ -465,6 +473,48 @@ class LifecycleMachine(RuleBasedStateMachine):
             mine = [c for c in chunks if c.index == index]
             got = ([t for c in mine for t in c.token_ids], mine[-1].finish_reason if mine else None)
             assert got == (want, reason), (index, got, want)
+
+    def split_prompt_start(self, block_bytes: int) -> None:
+        """An engine with the default KV sizing (on a CPU: a budget of
+        ``CPU_KV_CACHE_BYTES``, at most ``max_num_seqs`` sequences of ``max_model_len``) and
+        a budget of ``SPLIT_BUDGET`` tokens per step, so that a prompt's prefill is split
+        across steps (the machine's own engines never split one). A greedy request asks for
+        its prompt's log probabilities (each transformers', whichever step computed it) and
+        for ``min_tokens`` under a ``logit_bias`` that makes EOS the top token: EOS is held
+        back for ``min_tokens`` tokens (transformers' greedy ones), then comes at once."""
+        config = tiny_config(
+            self.dir_a,
+            num_blocks=None,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=SPLIT_BUDGET,
+        )
+        eos = min(eos_ids(str(self.dir_a)))
+        params = SamplingParams(
+            max_tokens=SPLIT_MIN_TOKENS + 2,
+            temperature=0.0,
+            min_tokens=SPLIT_MIN_TOKENS,
+            logit_bias={eos: 100.0},
+            prompt_logprobs=PROMPT_LOGPROBS,
+        )
+        chunks, blocks, _ = self.serve_once(config, PROMPTS[SPLIT_PROMPT], params)
+        if not torch.cuda.is_available():  # the engine runs on the CPU
+            seqs = config.max_num_seqs * -(-MAX_MODEL_LEN // config.block_size)
+            plan = min(CPU_KV_CACHE_BYTES // block_bytes, seqs)
+            assert blocks in (plan, -1), f"{blocks} KV blocks planned, {plan} wanted"
+        greedy = self.reference["A"][SPLIT_PROMPT]
+        assert greedy is not None and not set(greedy[:SPLIT_MIN_TOKENS]) & eos_ids(
+            str(self.dir_a)
+        ), greedy
+        got = ([t for c in chunks for t in c.token_ids], chunks[-1].finish_reason)
+        want = ([*greedy[:SPLIT_MIN_TOKENS], eos], "stop")
+        assert got == want, (got, want)
+        figures = chunks[0].prompt_logprobs
+        wants = self.logprobs_reference["A"][SPLIT_PROMPT].prompt
+        assert figures is not None and len(figures) == len(wants), (figures, wants)
+        assert figures[0] is None and all(
+            f is not None and w is not None and abs(f - w) <= TOLERANCE
+            for f, w in zip(figures[1:], wants[1:], strict=True)
+        ), (figures, wants)
 
     def quantized_start(self) -> None:
         """An int8 start (``quantization="int8"`` on the model in bfloat16; where this CPU
@@ -1122,6 +1172,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 "admission": admission_error(engine),
                 "problems": d.blocks_problems(kv_cache_resident=kv_alive)
                 + d.placement_problems(serving, held)
+                + d.stepping_problems(model.can_step)
                 + d.counter_problems()
                 + d.observer_problems()
                 + d.memory_problems(*model.memory()),
@@ -1134,6 +1185,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert snap["version"] == model.version, (snap["version"], model.version)
         want = model.admission_error()
         assert type(snap["admission"]) is (want or type(None)), (snap["admission"], want, model)
+        text = model.admission_text()
+        assert text is None or str(snap["admission"]) == text, (snap["admission"], text)
         assert not snap["problems"], snap["problems"]
         due = [r for r in d.requests if r.must_end and not r.done.is_set()]
         late = d.wait_ended(due)
