@@ -16,6 +16,7 @@ sequence writes there. ``torch.zeros`` would write all of it at start-up and at 
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import torch
 from tgengine.models.config import ModelConfig
 from tgengine.models.parallel_layers import local_kv_heads
 from tgengine.parallel import ParallelContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,6 +117,6 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: small pages, as before
-            pass
+        except OSError as error:  # a kernel without transparent huge pages: small pages
+            log.debug("KV cache without huge pages: %s", error)
     return torch.frombuffer(pages, dtype=dtype, count=count, offset=offset).view(shape)
