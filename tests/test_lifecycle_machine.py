@@ -824,7 +824,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         weights sleep, a level-1 sleep after the first wakeup (it releases that memory
         again), and, weights first, new weights before the KV cache wakes (the RL cycle);
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
-        after it: refused) and a resume.
+        after it: refused), a level-1 sleep and a wakeup while paused (back to paused), and
+        a resume.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
@@ -847,6 +848,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.pause("keep", busy=True)
         self.pause("abort")
         self.admit(0, 1)  # refused: EnginePausedError
+        self.sleep(1, mode)  # a paused engine may sleep; waking gives the pause back
+        self.check_engine()
+        self.wakeup(["weights", "kv_cache"])
+        self.check_engine()
         self.resume()
 
     def weights_are(self, weights: str) -> None:
@@ -1166,6 +1171,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             engine = d.engine
             return {
                 "state": engine.state,
+                "stats_state": engine.stats().state,
                 "tags": set(engine.sleeping_tags),
                 "is_sleeping": engine.is_sleeping,
                 "version": engine.weight_version,
@@ -1180,6 +1186,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         snap = d.run_sync(snapshot)
         assert snap["state"] is model.state, (snap["state"], model.state)
+        assert snap["stats_state"] == str(model.state), (snap["stats_state"], model.state)
         tags = model.sleeping if model.alive else set()
         assert snap["tags"] == tags and snap["is_sleeping"] == bool(tags), (snap, tags)
         assert snap["version"] == model.version, (snap["version"], model.version)
