@@ -442,8 +442,8 @@ class EngineDriver:
             }
             for name, (want, got) in held.items():
                 if not want:
-                    if got:
-                        problems.append(f"{name}: {got} bytes held, none expected")
+                    if got != 0:  # none held: 0 bytes, an int (not None)
+                        problems.append(f"{name}: {got!r} bytes held, none expected")
                     continue
                 first = self.awake_memory.setdefault(name, got)
                 if not got or got != first:

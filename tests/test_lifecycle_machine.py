@@ -824,8 +824,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         weights sleep, a level-1 sleep after the first wakeup (it releases that memory
         again), and, weights first, new weights before the KV cache wakes (the RL cycle);
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
-        after it: refused), a level-1 sleep and a wakeup while paused (back to paused), and
-        a resume.
+        after it: refused), a level-1 sleep and a wakeup while paused (back to paused), a
+        resume, and a long request aborted while it runs.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
@@ -853,6 +853,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.wakeup(["weights", "kv_cache"])
         self.check_engine()
         self.resume()
+        self.admit(1, MAX_TOKENS)  # needs dozens of steps: live when aborted, it ends "abort"
+        self.abort(0)
 
     def weights_are(self, weights: str) -> None:
         for req in self.live():
