@@ -11,7 +11,6 @@ import weakref
 from pathlib import Path
 
 import psutil
-import pytest
 import torch
 
 from tgengine.models import KVCache
@@ -40,33 +39,6 @@ def test_a_large_cpu_cache_is_zero_and_costs_no_memory_until_written() -> None:
     heads[3, 1, -5:] = 1.5  # writable to the last element
     assert heads[3, 1, -6:].tolist() == [0.0, 1.5, 1.5, 1.5, 1.5, 1.5]
     assert process.memory_info().rss - before < 64 * 1024**2
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                begin, end = (int(x, 16) for x in head.split("-"))
-                inside = begin <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage").is_dir(), reason="a kernel without THP"
-)
-def test_the_cache_asks_for_huge_pages_on_a_2_mib_boundary() -> None:
-    """Decode attention reads blocks scattered over the cache: with 4 KiB pages nearly every
-    block is a TLB miss. The mapping starts on a huge page and is marked for THP (``hg``)."""
-    heads = zeroed((4, 2, GIB // 64), torch.bfloat16, torch.device("cpu"))
-    assert heads.data_ptr() % (2 << 20) == 0
-    assert "hg" in _vm_flags(heads.data_ptr())
-    heads[1, 1, 7] = 2.0
-    assert float(heads.sum()) == 2.0
 
 
 def test_the_mapping_goes_with_the_last_view() -> None:

@@ -16,7 +16,6 @@ sequence writes there. ``torch.zeros`` would write all of it at start-up and at 
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ import torch
 from tgengine.models.config import ModelConfig
 from tgengine.models.parallel_layers import local_kv_heads
 from tgengine.parallel import ParallelContext
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,19 +88,10 @@ class KVCache:
         return heads.view(2, heads.shape[1], self.num_blocks, self.block_size, heads.shape[-1])
 
 
-HUGE_PAGE = 2 << 20  # x86-64 and arm64 with 4 KiB pages
-
-
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor; on CPU, pages that become resident only when first written.
 
-    On CPU the mapping starts on a 2 MiB boundary and asks Linux for transparent huge pages
-    (``MADV_HUGEPAGE``, where THP is ``madvise`` or ``always``): a sequence's blocks lie
-    anywhere in the cache, so with 4 KiB pages nearly every block a decode step reads is a
-    TLB miss; decode attention read its keys and values 20-35 % faster with huge pages
-    (docs/benchmarks.md, ninth round). Pages still become resident only when written, a
-    huge page (2 MiB) at a time. The mapping lives as long as the tensor (or any view of it)
-    does.
+    The mapping lives as long as the tensor (or any view of it) does.
     """
     if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no such mapping
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -111,12 +99,5 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = torch.frombuffer(pages, dtype=torch.uint8, count=1).data_ptr()
-    offset = -start % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError as error:  # a kernel without transparent huge pages: small pages
-            log.debug("KV cache without huge pages: %s", error)
-    return torch.frombuffer(pages, dtype=dtype, count=count, offset=offset).view(shape)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
