@@ -76,6 +76,9 @@ class EngineDriver:
         self.step_problems: list[str] = []  # found after a step (inside kinds)
         self.finished_stats: list[RequestStats] = []  # what observers were told
         self.cache_victims: dict[str, int] = {}  # request id: the step it became a victim at
+        # request id: (the step its fault is armed for, its computed tokens and preemptions
+        # when armed), to see that the fault fired if it ran in that step
+        self.armed_victims: dict[str, tuple[int, int, int]] = {}
         self.engine.observers.append(self)
         if self.inside:
             self.portal.call(self._attach)
@@ -112,14 +115,31 @@ class EngineDriver:
     def _arm_cache_victims(self, scheduler: Any) -> None:
         """A victim's cache is not ready in the next step once it runs beside another
         request (whose step must go on undisturbed), or alone after ``VICTIM_PATIENCE``
-        steps."""
+        steps. A victim that computed tokens in the step its fault was armed for is a
+        problem: the fault must fire once the victim reaches that step."""
         running = {seq.seq_id for seq in scheduler.running}
         steps = self.faults.num_steps
         for victim, since in list(self.cache_victims.items()):
+            armed = self.armed_victims.pop(victim, None)
+            seq = scheduler.get(victim)
+            if armed is not None and armed[0] == steps and seq is not None:
+                # a victim that computed tokens in its fault's step (not preempted since)
+                # ran that step undisturbed: the fault must have ended it instead
+                _, computed, preemptions = armed
+                if seq.num_preemptions == preemptions and seq.num_computed_tokens > computed:
+                    self.step_problems.append(
+                        f"step {steps}: {victim} ran despite its injected cache fault"
+                    )
             if self.engine._loop.tracker.get(victim) is None:
                 del self.cache_victims[victim]  # it ended
             elif victim in running and (len(running) > 1 or steps >= since + VICTIM_PATIENCE):
                 self.faults.cache_not_ready_at.setdefault(steps + 1, set()).add(victim)
+                if seq is not None:
+                    self.armed_victims[victim] = (
+                        steps + 1,
+                        seq.num_computed_tokens,
+                        seq.num_preemptions,
+                    )
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``await fn(*args)`` in the loop, bounded; return its result or its exception."""
