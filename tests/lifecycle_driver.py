@@ -79,6 +79,7 @@ class EngineDriver:
         # request id: (the step its fault is armed for, its computed tokens and preemptions
         # when armed), to see that the fault fired if it ran in that step
         self.armed_victims: dict[str, tuple[int, int, int]] = {}
+        self.computed_before: dict[str, int] = {}  # running sequences after the last step
         self.engine.observers.append(self)
         if self.inside:
             self.portal.call(self._attach)
@@ -110,6 +111,8 @@ class EngineDriver:
         self.step_problems += prefix_problems(bm, scheduler.running)
         failing = {i for ids in self.faults.cache_not_ready_at.values() for i in ids}
         self.step_problems += window_problems(scheduler, skip=failing)
+        self.step_problems += follower_problems(scheduler, self.computed_before)
+        self.computed_before = {seq.seq_id: seq.num_computed_tokens for seq in scheduler.running}
         self._arm_cache_victims(scheduler)
 
     def _arm_cache_victims(self, scheduler: Any) -> None:
@@ -529,6 +532,25 @@ def window_problems(scheduler: Any, skip: set[str]) -> list[str]:
                 f"{seq.seq_id}: {seq.num_released_blocks} blocks released, {dead} behind its "
                 f"window after {seq.num_computed_tokens} tokens"
             )
+    return problems
+
+
+def follower_problems(scheduler: Any, before: dict[str, int]) -> list[str]:
+    """With ``n > 1``, sequence ``{id}#i`` (``i > 0``) is admitted only once ``{id}#0`` has
+    computed the prompt or ended, so that it reuses the prompt's cached blocks. ``before``:
+    the running sequences' computed tokens after the previous step (a sequence not running
+    then had computed none). A sequence admitted in this step whose unfinished leader had
+    not computed the prompt before it came too early."""
+    problems = []
+    for seq in scheduler.running:
+        base, sep, index = seq.seq_id.rpartition("#")
+        if not sep or index == "0" or seq.seq_id in before:
+            continue
+        leader = scheduler.get(f"{base}#0")
+        if leader is None or leader.is_finished:
+            continue
+        if before.get(leader.seq_id, 0) < leader.num_prompt_tokens:
+            problems.append(f"{seq.seq_id} was admitted before its leader computed the prompt")
     return problems
 
 
