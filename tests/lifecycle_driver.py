@@ -76,6 +76,10 @@ class EngineDriver:
         self.step_problems: list[str] = []  # found after a step (inside kinds)
         self.finished_stats: list[RequestStats] = []  # what observers were told
         self.cache_victims: dict[str, int] = {}  # request id: the step it became a victim at
+        # request id: (the step its fault is armed for, its computed tokens and preemptions
+        # when armed), to see that the fault fired if it ran in that step
+        self.armed_victims: dict[str, tuple[int, int, int]] = {}
+        self.computed_before: dict[str, int] = {}  # running sequences after the last step
         self.engine.observers.append(self)
         if self.inside:
             self.portal.call(self._attach)
@@ -107,19 +111,38 @@ class EngineDriver:
         self.step_problems += prefix_problems(bm, scheduler.running)
         failing = {i for ids in self.faults.cache_not_ready_at.values() for i in ids}
         self.step_problems += window_problems(scheduler, skip=failing)
+        self.step_problems += follower_problems(scheduler, self.computed_before)
+        self.computed_before = {seq.seq_id: seq.num_computed_tokens for seq in scheduler.running}
         self._arm_cache_victims(scheduler)
 
     def _arm_cache_victims(self, scheduler: Any) -> None:
         """A victim's cache is not ready in the next step once it runs beside another
         request (whose step must go on undisturbed), or alone after ``VICTIM_PATIENCE``
-        steps."""
+        steps. A victim that computed tokens in the step its fault was armed for is a
+        problem: the fault must fire once the victim reaches that step."""
         running = {seq.seq_id for seq in scheduler.running}
         steps = self.faults.num_steps
         for victim, since in list(self.cache_victims.items()):
+            armed = self.armed_victims.pop(victim, None)
+            seq = scheduler.get(victim)
+            if armed is not None and armed[0] == steps and seq is not None:
+                # a victim that computed tokens in its fault's step (not preempted since)
+                # ran that step undisturbed: the fault must have ended it instead
+                _, computed, preemptions = armed
+                if seq.num_preemptions == preemptions and seq.num_computed_tokens > computed:
+                    self.step_problems.append(
+                        f"step {steps}: {victim} ran despite its injected cache fault"
+                    )
             if self.engine._loop.tracker.get(victim) is None:
                 del self.cache_victims[victim]  # it ended
             elif victim in running and (len(running) > 1 or steps >= since + VICTIM_PATIENCE):
                 self.faults.cache_not_ready_at.setdefault(steps + 1, set()).add(victim)
+                if seq is not None:
+                    self.armed_victims[victim] = (
+                        steps + 1,
+                        seq.num_computed_tokens,
+                        seq.num_preemptions,
+                    )
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``await fn(*args)`` in the loop, bounded; return its result or its exception."""
@@ -509,6 +532,25 @@ def window_problems(scheduler: Any, skip: set[str]) -> list[str]:
                 f"{seq.seq_id}: {seq.num_released_blocks} blocks released, {dead} behind its "
                 f"window after {seq.num_computed_tokens} tokens"
             )
+    return problems
+
+
+def follower_problems(scheduler: Any, before: dict[str, int]) -> list[str]:
+    """With ``n > 1``, sequence ``{id}#i`` (``i > 0``) is admitted only once ``{id}#0`` has
+    computed the prompt or ended, so that it reuses the prompt's cached blocks. ``before``:
+    the running sequences' computed tokens after the previous step (a sequence not running
+    then had computed none). A sequence admitted in this step whose unfinished leader had
+    not computed the prompt before it came too early."""
+    problems = []
+    for seq in scheduler.running:
+        base, sep, index = seq.seq_id.rpartition("#")
+        if not sep or index == "0" or seq.seq_id in before:
+            continue
+        leader = scheduler.get(f"{base}#0")
+        if leader is None or leader.is_finished:
+            continue
+        if before.get(leader.seq_id, 0) < leader.num_prompt_tokens:
+            problems.append(f"{seq.seq_id} was admitted before its leader computed the prompt")
     return problems
 
 

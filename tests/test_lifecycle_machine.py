@@ -824,8 +824,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         weights sleep, a level-1 sleep after the first wakeup (it releases that memory
         again), and, weights first, new weights before the KV cache wakes (the RL cycle);
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
-        after it: refused), a level-1 sleep and a wakeup while paused (back to paused), a
-        resume, and a long request aborted while it runs.
+        after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
+        too), and a wakeup while paused (back to paused), a resume, and a long request
+        aborted while it runs.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
@@ -849,6 +850,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.pause("abort")
         self.admit(0, 1)  # refused: EnginePausedError
         self.sleep(1, mode)  # a paused engine may sleep; waking gives the pause back
+        self.check_engine()
+        self.sleep(2, mode)  # asleep at level 1: level 2 drops the offloaded weights too
         self.check_engine()
         self.wakeup(["weights", "kv_cache"])
         self.check_engine()
@@ -899,7 +902,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A short request ends (its full blocks stay cached as prefixes), then an invalid
         update changes nothing (``weight_version`` included), then the weights change (as
         float64 tensors: another float dtype is converted, not refused): those prefixes,
-        computed with the old weights, must go at once."""
+        computed with the old weights, must go at once. Then a request admitted with the new
+        weights ends with a cache error (its error chunk carries the new ``weight_version``:
+        random draws seldom make a cache error after an update)."""
         req = self.admit(1, 1)
         assert req is not None
         late = self.d.wait_ended([req])
@@ -907,13 +912,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.update_weights("wrong dtype")
         self.check_engine()
         self.update_weights(weights, float64=True)
+        if self.model.state is S.RUNNING and self.d.inside:
+            self.check_engine()
+            self.cache_error(0, fresh=True)
 
     @precondition(lambda self: self.model.alive)
     @rule(call=st.sampled_from(sorted(INVALID_CALLS)))
     def invalid_call(self, call: str) -> None:
         """A call with an invalid argument raises ``InvalidRequestError`` naming it, in any
         state, and changes nothing (the invariants check the state); an unknown id's abort
-        is a no-op."""
+        is a no-op. Preparing a constraint that does not compile raises it too."""
         names = sorted(INVALID_CALLS)  # all of them, the drawn one first
         for name in names[names.index(call) :] + names[: names.index(call)]:
             method, args, field, bad = INVALID_CALLS[name]
@@ -923,6 +931,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             _, error = self.control(getattr(self.d.engine, method), *args)
             assert isinstance(error, InvalidRequestError) and error.field == field, (name, error)
             assert bad is None or repr(bad) in str(error), (name, error)
+        # a constraint that does not compile, prepared ahead on a started engine (any state)
+        bad_regex = SamplingParams(structured_outputs={"regex": "(("})
+        _, error = self.control(self.d.engine.prepare_structured_outputs, bad_regex)
+        assert isinstance(error, InvalidRequestError), error
+        assert error.field == "structured_outputs" and "regex: " in str(error), error
 
     @precondition(lambda self: self.model.admission_error() is None)
     @rule(pick=st.integers(0, 255))
@@ -1064,12 +1077,13 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model.state is S.RUNNING and self.d.inside)
     @rule(pick=st.integers(0, 255))
-    def cache_error(self, pick: int) -> None:
+    def cache_error(self, pick: int, fresh: bool = False) -> None:
         """One request's cache is not ready in a coming step (it ends with that error; the
         driver's step hook makes it the first step it shares with another running request,
         such as the sibling admitted here, which must end undisturbed). The rule waits for
-        the victim's end, so that the error is seen before later rules pause or stop it."""
-        victim = self.pick(pick) if self.d.requests else None
+        the victim's end, so that the error is seen before later rules pause or stop it.
+        ``fresh``: the victim is a request admitted here."""
+        victim = self.pick(pick) if self.d.requests and not fresh else None
         if victim is None or victim.request_id not in self.d.live_ids():
             victim = self.admit(pick % len(PROMPTS), MAX_TOKENS)
         self.admit((pick + 1) % len(PROMPTS), MAX_TOKENS)  # must end undisturbed
