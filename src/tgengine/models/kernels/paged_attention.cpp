@@ -87,7 +87,7 @@ struct Scratch {
   std::vector<float> scores;     // [heads * groups][positions, padded to 8]
   std::vector<float> acc;        // [heads * groups][D]
   std::vector<float> qf;         // [heads * groups][D] (+ 8 for alignment)
-  std::vector<float> best;       // [heads * groups][8]: the running maxima, 8 lanes each
+  std::vector<__m256> best;      // [heads * groups]
   std::vector<float> total;      // [heads * groups]
 };
 
@@ -122,7 +122,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   s.scores.resize(static_cast<size_t>(rows_count * n8));
   s.acc.assign(static_cast<size_t>(rows_count * D), 0.f);
   s.qf.resize(static_cast<size_t>(rows_count * D + 8));
-  s.best.assign(static_cast<size_t>(rows_count * 8), -INFINITY);
+  s.best.assign(static_cast<size_t>(rows_count), _mm256_set1_ps(-INFINITY));
   // Each position's row, walking the table block by block (no division per position).
   for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
     s.offsets[i] = table[block] * block_stride + slot * D;
@@ -135,7 +135,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   for (int r = 0; r < rows_count; ++r)
     for (int d = 0; d < D; ++d) qf[r * D + d] = to_float(q[r * D + d]) * scale;
   alignas(32) float rows[8][D];
-  float* best = s.best.data();
+  __m256* best = s.best.data();
   for (int64_t i = 0; i < n8; i += 8) {
     for (int h = 0; h < heads; ++h) {
       const T* base = keys + h * head_stride;
@@ -151,8 +151,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
         }
         const __m256 scores = tg::hsum8x8(acc);
         _mm256_storeu_ps(&s.scores[r * n8 + i], scores);
-        // Padding repeats a real score: harmless.
-        _mm256_storeu_ps(best + 8 * r, _mm256_max_ps(_mm256_loadu_ps(best + 8 * r), scores));
+        best[r] = _mm256_max_ps(best[r], scores);  // padding repeats a real score: harmless
       }
     }
   }
@@ -160,7 +159,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   s.total.resize(static_cast<size_t>(rows_count));
   float* total = s.total.data();
   for (int r = 0; r < rows_count; ++r) {
-    const __m256 top = _mm256_set1_ps(tg::hmax8(_mm256_loadu_ps(best + 8 * r)));
+    const __m256 top = _mm256_set1_ps(tg::hmax8(best[r]));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < n8; i += 8) {
       float* row = &s.scores[r * n8 + i];
