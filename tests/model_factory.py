@@ -212,22 +212,3 @@ def read_config(path: Path) -> dict[str, Any]:
 def write_config(path: Path, config: dict[str, Any]) -> None:
     """Overwrite the ``config.json`` of a model directory."""
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
-
-
-CACHE_LAYOUTS = ("contiguous", "block-major")
-
-
-def layer_cache(
-    layout: str,
-    num_kv_heads: int,
-    num_blocks: int,
-    block_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Random ``[2, Hkv, num_blocks, block_size, D]`` for the attention kernels: contiguous,
-    or the strided view of one layer of three in block-major memory, as ``KVCache`` has it."""
-    if layout == "contiguous":
-        return torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
-    memory = torch.randn(num_blocks, 3, 2, num_kv_heads, block_size, head_dim).to(dtype)
-    return memory[:, 1].permute(1, 2, 0, 3, 4)

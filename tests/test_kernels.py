@@ -12,8 +12,6 @@ from tgengine.models import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
-from model_factory import CACHE_LAYOUTS, layer_cache
-
 pytestmark = pytest.mark.skipif(
     not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),
     reason="no C++ compiler for tgengine's kernels",
@@ -43,7 +41,6 @@ def _decode_inputs(lens: list[int], block_size: int, num_blocks: int) -> Forward
     ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128)]
 )
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 def test_kernel_matches_the_torch_path(
     dtype: torch.dtype,
     tol: float,
@@ -51,7 +48,6 @@ def test_kernel_matches_the_torch_path(
     num_kv_heads: int,
     head_dim: int,
     window: int | None,
-    layout: str,
 ) -> None:
     torch.manual_seed(0)
     rng = random.Random(1)
@@ -59,7 +55,7 @@ def test_kernel_matches_the_torch_path(
     # Lengths of one token, at block boundaries and across many blocks.
     lens = [1, 3, 4, 5, 8, 17, rng.randint(20, 120), rng.randint(20, 120)]
     inputs = _decode_inputs(lens, block_size, num_blocks)
-    blocks = layer_cache(layout, num_kv_heads, num_blocks, block_size, head_dim, dtype)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     plain = AttentionPlan.build(inputs, block_size, window)
@@ -106,7 +102,6 @@ def _prefill_inputs(
     [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 80), (8, 1, 256)],
 )
 @pytest.mark.parametrize("window", [None, 5, 40])
-@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 def test_prefill_kernel_matches_the_torch_path(
     dtype: torch.dtype,
     tol: float,
@@ -114,7 +109,6 @@ def test_prefill_kernel_matches_the_torch_path(
     num_kv_heads: int,
     head_dim: int,
     window: int | None,
-    layout: str,
 ) -> None:
     torch.manual_seed(0)
     block_size, num_blocks = 4, 256
@@ -122,7 +116,7 @@ def test_prefill_kernel_matches_the_torch_path(
     # a cached prefix (a prefix-cache hit, a later chunk), a one-token chunk.
     spans = [(1, 1), (2, 2), (37, 37), (70, 70), (10, 45), (33, 100), (1, 64)]
     inputs = _prefill_inputs(spans, block_size, num_blocks)
-    blocks = layer_cache(layout, num_kv_heads, num_blocks, block_size, head_dim, dtype)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
     rows = inputs.num_rows
     # q as a view of wider rows, as the fused projection gives it; k/v written to the cache.
     qkv = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim).to(dtype)

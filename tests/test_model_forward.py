@@ -317,7 +317,7 @@ def test_dtypes(tiny_llama_dir: Path, tmp_path: Path) -> None:
 def test_kv_cache_sizes(tiny_qwen2_dir: Path) -> None:
     config = load_model_config(tiny_qwen2_dir)
     cache = KVCache.allocate(config, 10, BLOCK_SIZE, torch.float16, "cpu")
-    assert cache.kv.shape == (2, 2, 2, 10, 4, 16)
+    assert cache.kv.shape == (2, 2, 40, 2, 16)
     assert (cache.num_blocks, cache.block_size) == (10, BLOCK_SIZE)
     assert cache.nbytes == 10 * KVCache.bytes_per_block(config, BLOCK_SIZE, torch.float16)
     assert KVCache.bytes_per_block(config, BLOCK_SIZE, torch.float16) == 2 * 2 * 4 * 2 * 16 * 2

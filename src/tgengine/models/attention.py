@@ -189,12 +189,10 @@ def _prefill_plan(span: PrefillSpan, sliding_window: int | None) -> PrefillPlan:
 def write_kv(
     heads: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store ``k``/``v`` ``[T, Hkv, D]`` at their slots of ``heads`` ``[2, Hkv, nb, bs, D]``
-    (a strided view: slot ``s`` is row ``s % bs`` of block ``s // bs``)."""
-    block_size = heads.shape[3]
-    rows = heads.permute(2, 3, 0, 1, 4)  # [nb, bs, 2, Hkv, D], a view
-    new = torch.stack((k, v), dim=1).to(heads.dtype)  # [T, 2, Hkv, D]
-    rows.index_put_((slot_mapping // block_size, slot_mapping % block_size), new)
+    """Store ``k``/``v`` ``[T, Hkv, D]`` at their slots of ``heads`` ``[2, Hkv, nb, bs, D]``."""
+    flat = heads.view(2 * heads.shape[1], -1, heads.shape[-1])  # [2 * Hkv, slots, D]
+    new = torch.stack((k, v)).to(heads.dtype).transpose(1, 2)  # [2, Hkv, T, D]
+    flat.index_copy_(1, slot_mapping, new.reshape(flat.shape[0], -1, flat.shape[-1]))
 
 
 def paged_attention(

@@ -18,7 +18,6 @@ import torch
 from tgengine.models.attention import KernelDecodePlan
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, Panels
-from tgengine.models.kernels import cache_layout
 from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep, LayerRun
 from tgengine.models.kernels.elementwise import ACTIVATIONS
 from tgengine.models.layers import MLP
@@ -145,16 +144,12 @@ def decode_step(
     if len(step.rotary) > KINDS or len(windows) > KINDS:
         raise ValueError(f"a decode step holds at most {KINDS} RoPEs and windows")
     cache = step.kv_cache
-    first = cache.layer_heads(0)  # every layer's has the same strides
-    num_blocks, block_size, block_stride, head_stride, kv_stride = cache_layout(first)
+    first = cache.layer_heads(0)  # checks the head-major layout every layer shares
     args = DecodeStep(
         threads=torch.get_num_threads(),
         rows=int(step.inputs.input_ids.shape[0]),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        block_stride=block_stride,
-        head_stride=head_stride,
-        kv_stride=kv_stride,
+        num_blocks=int(first.shape[2]),
+        block_size=int(first.shape[3]),
         layer_stride=int(cache.kv.stride(0)),
         cache=first.data_ptr(),
     )

@@ -88,11 +88,11 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.tg_paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 10, ctypes.c_float]
+    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
     fn = lib.tg_paged_prefill
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 11, ctypes.c_float]
+    fn.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_float]
     fn.argtypes += [ctypes.c_int]
     for fn in (lib.tg_half_linear, lib.tg_panel_linear, lib.tg_panel_linear_f32):
         fn.restype = ctypes.c_int
@@ -108,7 +108,7 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes += [_PTR, ctypes.c_int]
     fn = lib.tg_rope_store_kv
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, *[_I64] * 4, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _PTR]
+    fn.argtypes = [ctypes.c_int, _PTR, *[_I64] * 4, _PTR, _PTR, _I64, _PTR, _I64, _PTR]
     fn.argtypes += [ctypes.c_int]
     fn = lib.tg_act_mul
     fn.restype = ctypes.c_int
@@ -190,23 +190,6 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, groups: in
     )
 
 
-def cache_layout(blocks: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """``(num_blocks, block_size, block_stride, head_stride, kv_stride)`` of one layer's cache
-    ``blocks`` ``[2, Hkv, num_blocks, block_size, D]`` (``KVCache.layer_heads``), strides in
-    elements, for the kernels: its first three axes may have any strides, but each block's
-    rows of a head must be contiguous."""
-    _, _, num_blocks, block_size, head_dim = blocks.shape
-    if blocks.stride(4) != 1 or blocks.stride(3) != head_dim:
-        raise RuntimeError("the kernels need each block's rows of a head contiguous")
-    return (
-        int(num_blocks),
-        int(block_size),
-        int(blocks.stride(2)),
-        int(blocks.stride(1)),
-        int(blocks.stride(0)),
-    )
-
-
 def paged_decode(
     q: torch.Tensor,
     blocks: torch.Tensor,
@@ -223,14 +206,14 @@ def paged_decode(
     said yes.
     """
     lib = load()
-    if lib is None or blocks.dtype != q.dtype:
+    if lib is None or blocks.dtype != q.dtype or not blocks.is_contiguous():
         raise RuntimeError("paged_decode called where the kernel does not apply")
     q = q.contiguous()
     tables = tables.contiguous()
     lens = lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, block_stride, head_stride, kv_stride = cache_layout(blocks)
+    _, num_kv_heads, num_blocks, block_size, _ = blocks.shape
     status = lib.tg_paged_decode(
         _DTYPES[q.dtype],
         q.data_ptr(),
@@ -240,11 +223,9 @@ def paged_decode(
         out.data_ptr(),
         num_seqs,
         num_heads,
-        int(blocks.shape[1]),
+        num_kv_heads,
+        num_blocks,
         block_size,
-        block_stride,
-        head_stride,
-        kv_stride,
         head_dim,
         tables.shape[1],
         window or 0,
@@ -286,12 +267,14 @@ def paged_prefill(
     it only where ``supports_prefill`` said yes."""
     lib = load()
     n, num_heads, head_dim = q.shape
-    _, block_size, block_stride, head_stride, kv_stride = cache_layout(blocks)
+    _, num_kv_heads, num_blocks, block_size, _ = blocks.shape
     for t in (q, out):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise RuntimeError("paged_prefill: each row's heads must be contiguous")
     if lib is None or blocks.dtype != q.dtype or out.dtype != q.dtype or out.shape != q.shape:
         raise RuntimeError("paged_prefill called where the kernel does not apply")
+    if not blocks.is_contiguous():
+        raise RuntimeError("paged_prefill: the cache must be contiguous")
     table = table.contiguous()
     status = lib.tg_paged_prefill(
         _DTYPES[q.dtype],
@@ -304,11 +287,9 @@ def paged_prefill(
         n,
         context_len,
         num_heads,
-        int(blocks.shape[1]),
+        num_kv_heads,
+        num_blocks,
         block_size,
-        block_stride,
-        head_stride,
-        kv_stride,
         head_dim,
         window or 0,
         scale,

@@ -26,14 +26,13 @@ int tg_panel_linear_q8(int dtype, const void* x, int64_t m, int64_t k, const voi
                        int float_output);
 int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, const void* cos, const void* sin,
-                     int64_t rot_dim, void* cache, int64_t num_blocks, int64_t block_size,
-                     int64_t block_stride, int64_t head_stride, int64_t kv_stride,
-                     const int64_t* slot_mapping, int threads);
+                     int64_t rot_dim, void* cache, int64_t slots, const int64_t* slot_mapping,
+                     int threads);
 int tg_paged_decode(int dtype, const void* q, const void* cache, const int64_t* tables,
                     const int64_t* lens, void* out, int64_t num_seqs, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t block_size, int64_t block_stride,
-                    int64_t head_stride, int64_t kv_stride, int64_t head_dim,
-                    int64_t table_width, int64_t window, float scale, int threads);
+                    int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                    int64_t head_dim, int64_t table_width, int64_t window, float scale,
+                    int threads);
 int tg_act_mul(int dtype, int act, const void* gate_up, int64_t rows, int64_t inter, void* out,
                int threads);
 }
@@ -55,11 +54,9 @@ constexpr int kKinds = 4;  // RoPEs and block-table plans a step may hold
 
 // The step's arguments, shared by its layers:
 struct DecodeStep {
-  int64_t threads, rows;
-  // Layer 0's cache [2][num_kv_heads][num_blocks][block_size][head_dim]: the strides of its
-  // first three axes, and from one layer's cache to the next (elements).
-  int64_t num_blocks, block_size, block_stride, head_stride, kv_stride, layer_stride;
-  void* cache;
+  int64_t threads, rows, num_blocks, block_size;
+  int64_t layer_stride;  // elements from one layer's cache to the next
+  void* cache;           // layer 0's [2][num_kv_heads][num_blocks * block_size][head_dim]
   const int64_t* slot_mapping;
   const void* cos[kKinds];  // [rows, rot_dim[i]] each
   const void* sin[kKinds];
@@ -117,15 +114,14 @@ int decode_layer(const DecodeLayer* L, const DecodeStep* S, void* x, void* resid
   if (status) return 200 + status;
   status = tg_rope_store_kv(dtype, qkv, rows, L->num_heads, L->num_kv_heads, d,
                             S->cos[L->rope], S->sin[L->rope], S->rot_dim[L->rope], cache,
-                            S->num_blocks, S->block_size, S->block_stride, S->head_stride,
-                            S->kv_stride, S->slot_mapping, threads);
+                            S->num_blocks * S->block_size, S->slot_mapping, threads);
   if (status) return 300 + status;
   for (int64_t r = 0; r < rows; ++r)  // the queries of each row, contiguous
     std::memcpy(q + r * q_size * elem, qkv + r * qkv_size * elem, q_size * elem);
   status = tg_paged_decode(dtype, q, cache, S->tables[L->plan], S->lens[L->plan],
-                           attn, rows, L->num_heads, L->num_kv_heads, S->block_size,
-                           S->block_stride, S->head_stride, S->kv_stride, d,
-                           S->table_width[L->plan], L->window, L->scale, threads);
+                           attn, rows, L->num_heads, L->num_kv_heads, S->num_blocks,
+                           S->block_size, d, S->table_width[L->plan], L->window, L->scale,
+                           threads);
   if (status) return 400 + status;
   status = panel_product(dtype, attn, rows, q_size, L->o_panels, L->o_scales, hidden,
                          nullptr, o, threads);

@@ -71,19 +71,7 @@ class DecodeStep(ctypes.Structure):
     """The step's arguments every layer call reads (``decode_layer.cpp``'s ``DecodeStep``)."""
 
     _fields_ = [
-        *[
-            (name, _I64)
-            for name in (
-                "threads",
-                "rows",
-                "num_blocks",
-                "block_size",
-                "block_stride",
-                "head_stride",
-                "kv_stride",
-                "layer_stride",
-            )
-        ],
+        *[(name, _I64) for name in ("threads", "rows", "num_blocks", "block_size", "layer_stride")],
         ("cache", _PTR),
         ("slot_mapping", _PTR),
         ("cos", _PTR * KINDS),

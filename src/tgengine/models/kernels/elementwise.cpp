@@ -103,19 +103,15 @@ void rotate(T* x, const T* cos, const T* sin, int64_t rot_dim) {
 }
 
 // qkv [rows][num_heads + 2 * num_kv_heads][head_dim] (queries, keys, values): queries and
-// keys rotated in place, then keys and values copied to their slots of one layer's cache
-// [2][num_kv_heads][num_blocks][block_size][head_dim], whose first three axes have the strides
-// kv_stride, head_stride and block_stride (elements). Slot s is row s % block_size of block
-// s / block_size.
+// keys rotated in place, then keys and values copied to their slots of cache
+// [2][num_kv_heads][slots][head_dim].
 template <typename T>
 int rope_store_kv(T* qkv, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, const T* cos, const T* sin, int64_t rot_dim, T* cache,
-                  int64_t num_blocks, int64_t block_size, int64_t block_stride,
-                  int64_t head_stride, int64_t kv_stride, const int64_t* slot_mapping,
-                  int threads) {
+                  int64_t slots, const int64_t* slot_mapping, int threads) {
   if (rot_dim % 2 != 0 || rot_dim > head_dim) return 4;
   for (int64_t r = 0; r < rows; ++r)
-    if (slot_mapping[r] < 0 || slot_mapping[r] >= num_blocks * block_size) return 5;
+    if (slot_mapping[r] < 0 || slot_mapping[r] >= slots) return 5;
   const int64_t row_size = (num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel for num_threads(threads) if (rows * row_size >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
@@ -123,12 +119,12 @@ int rope_store_kv(T* qkv, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
     for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
       rotate(row + h * head_dim, cos + r * rot_dim, sin + r * rot_dim, rot_dim);
     const int64_t slot = slot_mapping[r];
-    T* at = cache + slot / block_size * block_stride + slot % block_size * head_dim;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const T* k = row + (num_heads + h) * head_dim;
       const T* v = row + (num_heads + num_kv_heads + h) * head_dim;
-      std::memcpy(at + h * head_stride, k, head_dim * sizeof(T));
-      std::memcpy(at + kv_stride + h * head_stride, v, head_dim * sizeof(T));
+      std::memcpy(cache + (h * slots + slot) * head_dim, k, head_dim * sizeof(T));
+      std::memcpy(cache + ((num_kv_heads + h) * slots + slot) * head_dim, v,
+                  head_dim * sizeof(T));
     }
   }
   return 0;
@@ -205,21 +201,17 @@ extern "C" int tg_add_rms_norm(int dtype, void* x, void* residual, const void* w
 
 extern "C" int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, const void* cos,
-                                const void* sin, int64_t rot_dim, void* cache,
-                                int64_t num_blocks, int64_t block_size, int64_t block_stride,
-                                int64_t head_stride, int64_t kv_stride,
+                                const void* sin, int64_t rot_dim, void* cache, int64_t slots,
                                 const int64_t* slot_mapping, int threads) {
   if (rows < 0 || num_heads < 0 || num_kv_heads <= 0 || head_dim <= 0 || threads < 1) return 1;
   if (dtype == kBf16)
     return rope_store_kv(static_cast<uint16_t*>(qkv), rows, num_heads, num_kv_heads, head_dim,
                          static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
-                         rot_dim, static_cast<uint16_t*>(cache), num_blocks, block_size,
-                         block_stride, head_stride, kv_stride, slot_mapping, threads);
+                         rot_dim, static_cast<uint16_t*>(cache), slots, slot_mapping, threads);
   if (dtype == kF16)
     return rope_store_kv(static_cast<_Float16*>(qkv), rows, num_heads, num_kv_heads, head_dim,
                          static_cast<const _Float16*>(cos), static_cast<const _Float16*>(sin),
-                         rot_dim, static_cast<_Float16*>(cache), num_blocks, block_size,
-                         block_stride, head_stride, kv_stride, slot_mapping, threads);
+                         rot_dim, static_cast<_Float16*>(cache), slots, slot_mapping, threads);
   return 2;
 }
 

@@ -76,9 +76,7 @@ def rope_store_kv(
     ``[rows, rotary_dim]``, ``blocks`` one layer's ``[2, Hkv, num_blocks, block_size, D]``
     cache and ``slot_mapping`` ``[rows]`` int64 slots; where ``applies``.
     """
-    _check(qkv, cos, sin)
-    if blocks.dtype != qkv.dtype or blocks.device != qkv.device:
-        raise RuntimeError("rope_store_kv: the cache must be of qkv's dtype and device")
+    _check(qkv, cos, sin, blocks)
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise RuntimeError("rope_store_kv: slot_mapping must be contiguous int64")
     rows, heads, head_dim = qkv.shape
@@ -97,7 +95,7 @@ def rope_store_kv(
         sin.data_ptr(),
         int(cos.shape[-1]),
         blocks.data_ptr(),
-        *kernels.cache_layout(blocks),
+        int(blocks.shape[2] * blocks.shape[3]),
         slot_mapping.data_ptr(),
         torch.get_num_threads(),
     )

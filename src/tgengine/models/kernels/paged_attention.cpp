@@ -3,10 +3,8 @@
 // -fopenmp) and called through ctypes; the plain-torch path in models/attention.py computes
 // the same thing and is the fallback.
 //
-// Layout (KVCache.layer_heads): one layer's cache [2][num_kv_heads][num_blocks][block_size]
-// [head_dim], keys at index 0, values at 1, with the strides of its first three axes given
-// (kv_stride, head_stride, block_stride, in elements; KVCache stores whole blocks together):
-// a block's rows of one head are contiguous. q and out are [num_seqs][num_heads][head_dim]; the
+// Layout (KVCache.layer_heads): cache [2][num_kv_heads][num_blocks][block_size][head_dim],
+// keys at index 0, values at 1. q and out are [num_seqs][num_heads][head_dim]; the
 // num_heads / num_kv_heads query heads that share a KV head are consecutive. For each
 // (sequence, kv head) the scores of its query heads are computed over the visible keys
 // [start, context_len), soft-maxed in float32, and the values summed in float32.
@@ -74,21 +72,14 @@ void attend_one(const T* q, const T* keys, const T* values, const int64_t* table
 
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Half-precision caches on AVX2: the same computation, eight positions at a time, for a run of
-// KV heads of one sequence. Their keys (then values) are widened to float32 once into an
-// L1-resident tile, which every query head of the group then reads; eight scores come out of
-// one transposed sum, and the softmax's exp is 8-wide (tg::exp8, within an ulp or so of
-// std::exp). The heads are the inner loop: KVCache keeps a block's keys of every head of a
-// layer together (then its values), so a sequence's pass reads a block as one span, where a
-// head at a time read a 2 KiB piece of each block (scattered blocks then cost a DRAM row and
-// a prefetch stream per piece). Each (head, query) computes exactly what a head at a time did.
+// Half-precision caches on AVX2: the same computation, eight positions at a time. Their keys
+// (then values) are widened to float32 once into an L1-resident tile, which every query head
+// of the group then reads; eight scores come out of one transposed sum, and the softmax's exp
+// is 8-wide (tg::exp8, within an ulp or so of std::exp).
 struct Scratch {
   std::vector<int64_t> offsets;  // each position's row in the cache
-  std::vector<float> scores;     // [heads * groups][positions, padded to 8]
-  std::vector<float> acc;        // [heads * groups][D]
-  std::vector<float> qf;         // [heads * groups][D] (+ 8 for alignment)
-  std::vector<__m256> best;      // [heads * groups]
-  std::vector<float> total;      // [heads * groups]
+  std::vector<float> scores;     // [groups][positions, padded to 8]
+  std::vector<float> acc;        // [groups][D]
 };
 
 template <typename T, int D>
@@ -109,20 +100,15 @@ inline void prefetch_rows(const T* base, const int64_t* offsets) {
       _mm_prefetch(reinterpret_cast<const char*>(base + offsets[p]) + c, _MM_HINT_T0);
 }
 
-// Query rows [heads * groups] of q and out, from KV heads keys/values (their first, the next
-// head_stride further).
 template <typename T, int D>
 void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* table,
                   int64_t start, int64_t len, int64_t block_size, int64_t block_stride,
-                  int64_t head_stride, int heads, int groups, float scale, T* out, Scratch& s) {
+                  int groups, float scale, T* out, Scratch& s) {
   static_assert(D % 8 == 0, "head dims are multiples of 8");
   const int64_t n = len - start, n8 = (n + 7) / 8 * 8;
-  const int rows_count = heads * groups;
   s.offsets.resize(static_cast<size_t>(n8));
-  s.scores.resize(static_cast<size_t>(rows_count * n8));
-  s.acc.assign(static_cast<size_t>(rows_count * D), 0.f);
-  s.qf.resize(static_cast<size_t>(rows_count * D + 8));
-  s.best.assign(static_cast<size_t>(rows_count), _mm256_set1_ps(-INFINITY));
+  s.scores.resize(static_cast<size_t>(groups * n8));
+  s.acc.assign(static_cast<size_t>(groups * D), 0.f);
   // Each position's row, walking the table block by block (no division per position).
   for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
     s.offsets[i] = table[block] * block_stride + slot * D;
@@ -130,90 +116,80 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   }
   for (int64_t i = n; i < n8; ++i) s.offsets[i] = s.offsets[n - 1];  // padding: a real row
   s.offsets.resize(static_cast<size_t>(n8 + kAhead), s.offsets[n - 1]);  // read-ahead past the end
-  float* qf = s.qf.data();
-  qf += (8 - (reinterpret_cast<uintptr_t>(qf) / sizeof(float)) % 8) % 8;  // 32-byte aligned
-  for (int r = 0; r < rows_count; ++r)
-    for (int d = 0; d < D; ++d) qf[r * D + d] = to_float(q[r * D + d]) * scale;
+  alignas(32) float qf[8][D];
   alignas(32) float rows[8][D];
-  __m256* best = s.best.data();
+  for (int g = 0; g < groups; ++g)
+    for (int d = 0; d < D; ++d) qf[g][d] = to_float(q[g * D + d]) * scale;
+  __m256 best[8];
+  for (int g = 0; g < groups; ++g) best[g] = _mm256_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n8; i += 8) {
-    for (int h = 0; h < heads; ++h) {
-      const T* base = keys + h * head_stride;
-      prefetch_rows<T, D>(base, &s.offsets[i + kAhead]);
-      widen_rows<T, D>(base, &s.offsets[i], rows);
-      for (int r = h * groups; r < (h + 1) * groups; ++r) {
-        __m256 acc[8];
-        for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
-        for (int c = 0; c < D; c += 8) {
-          const __m256 qv = _mm256_load_ps(qf + r * D + c);
-          for (int p = 0; p < 8; ++p)
-            acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(rows[p] + c), acc[p]);
-        }
-        const __m256 scores = tg::hsum8x8(acc);
-        _mm256_storeu_ps(&s.scores[r * n8 + i], scores);
-        best[r] = _mm256_max_ps(best[r], scores);  // padding repeats a real score: harmless
+    prefetch_rows<T, D>(keys, &s.offsets[i + kAhead]);
+    widen_rows<T, D>(keys, &s.offsets[i], rows);
+    for (int g = 0; g < groups; ++g) {
+      __m256 acc[8];
+      for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_load_ps(qf[g] + c);
+        for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(rows[p] + c), acc[p]);
       }
+      const __m256 scores = tg::hsum8x8(acc);
+      _mm256_storeu_ps(&s.scores[g * n8 + i], scores);
+      best[g] = _mm256_max_ps(best[g], scores);  // padding repeats a real score: harmless
     }
   }
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  s.total.resize(static_cast<size_t>(rows_count));
-  float* total = s.total.data();
-  for (int r = 0; r < rows_count; ++r) {
-    const __m256 top = _mm256_set1_ps(tg::hmax8(best[r]));
+  float total[8];
+  for (int g = 0; g < groups; ++g) {
+    const __m256 top = _mm256_set1_ps(tg::hmax8(best[g]));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < n8; i += 8) {
-      float* row = &s.scores[r * n8 + i];
+      float* row = &s.scores[g * n8 + i];
       const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(float(i)), iota),
                                          _mm256_set1_ps(float(n)), _CMP_LT_OQ);
       const __m256 e = _mm256_and_ps(tg::exp8(_mm256_sub_ps(_mm256_loadu_ps(row), top)), valid);
       _mm256_storeu_ps(row, e);
       sum = _mm256_add_ps(sum, e);
     }
-    total[r] = tg::hsum8(sum);
+    total[g] = tg::hsum8(sum);
   }
   for (int64_t i = 0; i < n8; i += 8) {
-    for (int h = 0; h < heads; ++h) {
-      const T* base = values + h * head_stride;
-      prefetch_rows<T, D>(base, &s.offsets[i + kAhead]);
-      widen_rows<T, D>(base, &s.offsets[i], rows);
-      for (int r = h * groups; r < (h + 1) * groups; ++r) {
-        const float* weight = &s.scores[r * n8 + i];
-        float* acc = &s.acc[r * D];
-        // Up to 8 vectors of the output in registers, one independent sum each.
-        for (int c0 = 0; c0 < D / 8; c0 += 8) {
-          const int width = std::min(8, D / 8 - c0);
-          __m256 a[8];
-          for (int c = 0; c < width; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
-          for (int p = 0; p < 8; ++p) {
-            const __m256 w = _mm256_broadcast_ss(weight + p);
-            for (int c = 0; c < width; ++c)
-              a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(rows[p] + 8 * (c0 + c)), a[c]);
-          }
-          for (int c = 0; c < width; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
+    prefetch_rows<T, D>(values, &s.offsets[i + kAhead]);
+    widen_rows<T, D>(values, &s.offsets[i], rows);
+    for (int g = 0; g < groups; ++g) {
+      const float* weight = &s.scores[g * n8 + i];
+      float* acc = &s.acc[g * D];
+      // Up to 8 vectors of the output in registers, one independent sum each.
+      for (int c0 = 0; c0 < D / 8; c0 += 8) {
+        const int width = std::min(8, D / 8 - c0);
+        __m256 a[8];
+        for (int c = 0; c < width; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+        for (int p = 0; p < 8; ++p) {
+          const __m256 w = _mm256_broadcast_ss(weight + p);
+          for (int c = 0; c < width; ++c)
+            a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(rows[p] + 8 * (c0 + c)), a[c]);
         }
+        for (int c = 0; c < width; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
       }
     }
   }
-  for (int r = 0; r < rows_count; ++r) {
-    const __m256 inv = _mm256_set1_ps(total[r] > 0.f ? 1.f / total[r] : 0.f);
+  for (int g = 0; g < groups; ++g) {
+    const __m256 inv = _mm256_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
     for (int c = 0; c < D; c += 8)
-      tg::store8(out + r * D + c, _mm256_mul_ps(_mm256_loadu_ps(&s.acc[r * D + c]), inv));
+      tg::store8(out + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(&s.acc[g * D + c]), inv));
   }
 }
 #endif
 
 template <typename T, int D>
 int run(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out,
-        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-        int64_t block_stride, int64_t head_stride, int64_t values_offset, int64_t table_width,
-        int64_t window, float scale, int threads) {
+        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+        int64_t block_size, int64_t table_width, int64_t window, float scale, int threads) {
   const int groups = static_cast<int>(num_heads / num_kv_heads);
   if (groups > 8 || groups * num_kv_heads != num_heads) return 1;
-  // A work item is a sequence's heads, or one head where sequences are too few to share out
-  // among the threads (the results are the same either way).
-  const int64_t span = num_seqs >= 4 * threads ? num_kv_heads : 1;
-  const int64_t spans = num_kv_heads / span;
-  const int64_t items = num_seqs * spans;
+  const int64_t block_stride = block_size * D;
+  const int64_t head_stride = num_blocks * block_stride;
+  const int64_t values_offset = num_kv_heads * head_stride;
+  const int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
@@ -222,28 +198,26 @@ int run(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, 
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / spans, first = item % spans * span;
+      const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
       const int64_t len = lens[seq];
       const int64_t start = window > 0 && len > window ? len - window : 0;
-      const int64_t offset = (seq * num_heads + first * groups) * D;
+      const int64_t offset = (seq * num_heads + head * groups) * D;
       if (len <= 0) {
-        for (int64_t i = 0; i < span * groups * D; ++i) from_float(0.f, out + offset + i);
+        for (int64_t i = 0; i < groups * D; ++i) from_float(0.f, out + offset + i);
         continue;
       }
-      const T* keys = cache + first * head_stride;
-      const int64_t* table = tables + seq * table_width;
+      const T* keys = cache + head * head_stride;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
       if constexpr (!std::is_same_v<T, float>) {
-        attend_tiles<T, D>(q + offset, keys, keys + values_offset, table, start, len, block_size,
-                           block_stride, head_stride, static_cast<int>(span), groups, scale,
-                           out + offset, scratch);
+        attend_tiles<T, D>(q + offset, keys, keys + values_offset, tables + seq * table_width,
+                           start, len, block_size, block_stride, groups, scale, out + offset,
+                           scratch);
         continue;
       }
 #endif
-      for (int64_t h = 0; h < span; ++h)
-        attend_one<T, D>(q + offset + h * groups * D, keys + h * head_stride,
-                         keys + h * head_stride + values_offset, table, start, len, block_size,
-                         block_stride, groups, scale, out + offset + h * groups * D, scores);
+      attend_one<T, D>(q + offset, keys, keys + values_offset, tables + seq * table_width,
+                       start, len, block_size, block_stride, groups, scale, out + offset,
+                       scores);
     }
   }
   return 0;
@@ -252,14 +226,13 @@ int run(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, 
 template <typename T>
 int dispatch(const void* q, const void* cache, const int64_t* tables, const int64_t* lens,
              void* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-             int64_t block_size, int64_t block_stride, int64_t head_stride, int64_t kv_stride,
-             int64_t head_dim, int64_t table_width, int64_t window, float scale, int threads) {
+             int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width,
+             int64_t window, float scale, int threads) {
 #define TG_HEAD_DIM(DIM)                                                                      \
   case DIM:                                                                                   \
     return run<T, DIM>(static_cast<const T*>(q), static_cast<const T*>(cache), tables, lens, \
-                       static_cast<T*>(out), num_seqs, num_heads, num_kv_heads, block_size,   \
-                       block_stride, head_stride, kv_stride, table_width, window, scale,      \
-                       threads);
+                       static_cast<T*>(out), num_seqs, num_heads, num_kv_heads, num_blocks,   \
+                       block_size, table_width, window, scale, threads);
   switch (head_dim) {
     TG_HEAD_DIMS(TG_HEAD_DIM)
     default:
@@ -274,23 +247,22 @@ int dispatch(const void* q, const void* cache, const int64_t* tables, const int6
 // handle (then the caller uses the torch path).
 extern "C" int tg_paged_decode(int dtype, const void* q, const void* cache, const int64_t* tables,
                                const int64_t* lens, void* out, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                               int64_t block_stride, int64_t head_stride, int64_t kv_stride,
-                               int64_t head_dim, int64_t table_width, int64_t window,
-                               float scale, int threads) {
+                               int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                               int64_t block_size, int64_t head_dim, int64_t table_width,
+                               int64_t window, float scale, int threads) {
   switch (dtype) {
     case 0:
       return dispatch<float>(q, cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
-                             block_size, block_stride, head_stride, kv_stride, head_dim,
-                             table_width, window, scale, threads);
+                             num_blocks, block_size, head_dim, table_width, window, scale,
+                             threads);
     case 1:
       return dispatch<uint16_t>(q, cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
-                                block_size, block_stride, head_stride, kv_stride, head_dim,
-                                table_width, window, scale, threads);
+                                num_blocks, block_size, head_dim, table_width, window, scale,
+                                threads);
     case 2:
       return dispatch<_Float16>(q, cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
-                                block_size, block_stride, head_stride, kv_stride, head_dim,
-                                table_width, window, scale, threads);
+                                num_blocks, block_size, head_dim, table_width, window, scale,
+                                threads);
     default:
       return 3;
   }

@@ -4,7 +4,7 @@
 // kernels (see kernels/__init__.py); the torch path in models/attention.py (SDPA) computes
 // the same thing and is the fallback.
 //
-// Layout as paged_attention.cpp: cache [2][num_kv_heads][num_blocks][block_size][head_dim], strided;
+// Layout as paged_attention.cpp: cache [2][num_kv_heads][num_blocks][block_size][head_dim];
 // q and out are [n][num_heads][head_dim] rows of the given strides (elements), the query
 // heads that share a KV head consecutive.
 //
@@ -35,8 +35,7 @@ constexpr int kBlock = 6;       // rows per register block
 // positions past len are zero.
 template <typename T, int D>
 void widen_head(const T* keys, const T* values, const int64_t* table, int64_t len,
-                int64_t block_size, int64_t block_stride, int64_t tile, float* key_tiles,
-                float* value_rows) {
+                int64_t block_size, int64_t tile, float* key_tiles, float* value_rows) {
   float* kt = key_tiles + tile * D * kKeys;
   for (int p = 0; p < kKeys; ++p) {
     const int64_t pos = tile * kKeys + p;
@@ -46,7 +45,7 @@ void widen_head(const T* keys, const T* values, const int64_t* table, int64_t le
       for (int d = 0; d < D; ++d) v[d] = 0.f;
       continue;
     }
-    const int64_t row = table[pos / block_size] * block_stride + (pos % block_size) * D;
+    const int64_t row = table[pos / block_size] * block_size * D + (pos % block_size) * D;
     for (int d = 0; d < D; d += 8) {
       alignas(32) float k8[8];
       _mm256_store_ps(k8, tg::load8(keys + row + d));
@@ -212,11 +211,12 @@ void attend_item(const T* q, int64_t q_stride, T* out, int64_t out_stride, int64
 template <typename T, int D>
 int run(const T* q, int64_t q_stride, const T* cache, const int64_t* table, T* out,
         int64_t out_stride, int64_t n, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-        int64_t block_size, int64_t block_stride, int64_t head_stride, int64_t values_offset,
-        int64_t window, float scale, int threads) {
+        int64_t num_blocks, int64_t block_size, int64_t window, float scale, int threads) {
   const int groups = static_cast<int>(num_heads / num_kv_heads);
   if (groups < 1 || groups > 8 || groups * num_kv_heads != num_heads) return 1;
   if (n < 1 || n > len) return 4;
+  const int64_t head_stride = num_blocks * block_size * D;
+  const int64_t values_offset = num_kv_heads * head_stride;
   const int64_t tiles = (len + kKeys - 1) / kKeys;
   const int64_t per_head = tiles * kKeys * D;  // floats of one head's keys (and of its values)
   // Per call, not kept: a long context widens to tens of MB (every element is written below).
@@ -232,7 +232,7 @@ int run(const T* q, int64_t q_stride, const T* cache, const int64_t* table, T* o
     for (int64_t job = 0; job < num_kv_heads * tiles; ++job) {
       const int64_t head = job / tiles, tile = job % tiles;
       const T* keys = cache + head * head_stride;
-      widen_head<T, D>(keys, keys + values_offset, table, len, block_size, block_stride, tile,
+      widen_head<T, D>(keys, keys + values_offset, table, len, block_size, tile,
                        base + head * per_head, base + (num_kv_heads + head) * per_head);
     }
     const int max_rows = kPositions * groups;
@@ -259,14 +259,13 @@ int run(const T* q, int64_t q_stride, const T* cache, const int64_t* table, T* o
 template <typename T>
 int dispatch(const void* q, int64_t q_stride, const void* cache, const int64_t* table, void* out,
              int64_t out_stride, int64_t n, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-             int64_t block_size, int64_t block_stride, int64_t head_stride, int64_t kv_stride,
-             int64_t head_dim, int64_t window, float scale, int threads) {
+             int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t window,
+             float scale, int threads) {
 #define TG_HEAD_DIM(DIM)                                                                       \
   case DIM:                                                                                    \
     return run<T, DIM>(static_cast<const T*>(q), q_stride, static_cast<const T*>(cache), table, \
                        static_cast<T*>(out), out_stride, n, len, num_heads, num_kv_heads,       \
-                       block_size, block_stride, head_stride, kv_stride, window, scale,      \
-                       threads);
+                       num_blocks, block_size, window, scale, threads);
   switch (head_dim) {
     TG_HEAD_DIMS(TG_HEAD_DIM)
     default:
@@ -284,26 +283,25 @@ int dispatch(const void* q, int64_t q_stride, const void* cache, const int64_t* 
 extern "C" int tg_paged_prefill(int dtype, const void* q, int64_t q_stride, const void* cache,
                                 const int64_t* table, void* out, int64_t out_stride, int64_t n,
                                 int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t block_size, int64_t block_stride,
-                                int64_t head_stride, int64_t kv_stride, int64_t head_dim,
+                                int64_t num_blocks, int64_t block_size, int64_t head_dim,
                                 int64_t window, float scale, int threads) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   switch (dtype) {
     case 1:
       return dispatch<uint16_t>(q, q_stride, cache, table, out, out_stride, n, len, num_heads,
-                                num_kv_heads, block_size, block_stride, head_stride, kv_stride,
-                                head_dim, window, scale, threads);
+                                num_kv_heads, num_blocks, block_size, head_dim, window, scale,
+                                threads);
     case 2:
       return dispatch<_Float16>(q, q_stride, cache, table, out, out_stride, n, len, num_heads,
-                                num_kv_heads, block_size, block_stride, head_stride, kv_stride,
-                                head_dim, window, scale, threads);
+                                num_kv_heads, num_blocks, block_size, head_dim, window, scale,
+                                threads);
     default:
       return 3;
   }
 #else
   (void)dtype, (void)q, (void)q_stride, (void)cache, (void)table, (void)out, (void)out_stride;
-  (void)n, (void)len, (void)num_heads, (void)num_kv_heads, (void)block_size;
-  (void)block_stride, (void)head_stride, (void)kv_stride, (void)head_dim, (void)window, (void)scale, (void)threads;
+  (void)n, (void)len, (void)num_heads, (void)num_kv_heads, (void)num_blocks, (void)block_size;
+  (void)head_dim, (void)window, (void)scale, (void)threads;
   return 3;
 #endif
 }
