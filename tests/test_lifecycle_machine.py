@@ -857,6 +857,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.check_engine()
         self.resume()
         self.admit(1, MAX_TOKENS)  # needs dozens of steps: live when aborted, it ends "abort"
+        self.duplicate_request_id(0)  # its id, while it runs: refused, naming the field
         self.abort(0)
 
     def weights_are(self, weights: str) -> None:
@@ -987,6 +988,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         constrained = SamplingParams(structured_outputs=CASES["choice"])
         self.portal.call(engine.prepare_structured_outputs, constrained)
         self.holds_no_memory(engine)  # nothing loaded yet
+        unstarted = engine.stats()  # no scheduler yet: no blocks, nothing counted
+        assert (unstarted.num_total_blocks, unstarted.num_free_blocks) == (0, 0), unstarted
+        assert unstarted.kv_cache_usage == 0.0 and unstarted.num_steps == 0, unstarted
         try:
             self.portal.start_task(engine.run)
         except EngineDeadError as exc:
