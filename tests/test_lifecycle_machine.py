@@ -826,7 +826,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
         after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
         too), and a wakeup while paused (back to paused), a resume, and a long request
-        aborted while it runs.
+        whose id a second request asks for while it runs (refused), then aborted.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
