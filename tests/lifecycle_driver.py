@@ -67,7 +67,6 @@ class EngineDriver:
         self.inside = kind != "process"
         self.faults = FaultInjector(hang_limit=BOUND)
         self.engine = make_engine(kind, config, self.faults)
-        self.run_future, _ = portal.start_task(self.engine.run)
         self.requests: list[RequestModel] = []
         self.engine_reasons: dict[str, str] = {}
         self.engine_requests: list[Any] = []  # the engine's own Request objects (inside)
@@ -81,8 +80,13 @@ class EngineDriver:
         self.armed_victims: dict[str, tuple[int, int, int]] = {}
         self.computed_before: dict[str, int] = {}  # running sequences after the last step
         self.engine.observers.append(self)
+        self.run_future, _ = portal.start_task(self.engine.run)
         if self.inside:
-            self.portal.call(self._attach)
+            try:
+                self.portal.call(self._attach)
+            except BaseException:  # fail the test: the engine left running would hang it
+                self.run_future.cancel()
+                raise
 
     async def _attach(self) -> None:
         tracker = self.engine._loop.tracker

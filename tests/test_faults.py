@@ -64,11 +64,15 @@ async def test_hang_with_step_timeout_is_a_fault(tiny_llama_dir: Path) -> None:
                     await stream_all(tg, consumers)
                     faults.hang_at.add(faults.num_steps + 2)
                     await anyio.sleep_forever()
+        # run() ended with the step still wedged, and let go of the model's memory (under
+        # trio too, where the wedged thread holds the agent's limiter until it returns)
+        assert faults.hanging.is_set() and not faults.hang_returned.is_set()
+        held = [(m.weights_bytes, m.kv_cache_bytes) for m in engine.memory_stats().values()]
+        assert held == [(0, 0)], held
     finally:
         faults.release()
     assert isinstance(info.value.exceptions[0].__cause__, TimeoutError)
     assert [c.finish_reason for c in consumers] == ["error"] * 8
-    assert faults.hanging.is_set()
     await anyio.to_thread.run_sync(faults.hang_returned.wait, TIMEOUT)
 
 

@@ -1146,6 +1146,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                 # stalls meanwhile is the very death this rule expects
                 loop = self.d.engine._loop
                 loop.config = dataclasses.replace(loop.config, step_timeout=HANG_TIMEOUT)
+                if self.kind == "uni":  # the agent's clean-up waits as long for the step
+                    agent = self.d.engine._executor.agent
+                    agent.config = dataclasses.replace(agent.config, step_timeout=HANG_TIMEOUT)
                 faults.hang_at.add(faults.num_steps + 2)
 
         self.d.run_sync(arm)
@@ -1158,7 +1161,14 @@ class LifecycleMachine(RuleBasedStateMachine):
             if not req.checked:  # even if its consumer has already seen the error
                 req.may_end("error", death_error_text(kind))
         late = self.d.wait_ended(self.live())  # every request ends at the fault, not later
-        faults.release()
+        try:
+            if kind == "hang" and self.kind == "uni":
+                # run() ends while the step is still wedged: the clean-up does not wait
+                # for it longer than step_timeout
+                self.d.run_future.exception(timeout=BOUND)
+                assert not faults.hang_returned.is_set(), "run() waited for the wedged step"
+        finally:
+            faults.release()
         assert not late, f"requests not ended by the engine's death: {late}"
         dead = self.d.run_future.exception(timeout=BOUND)
         assert isinstance(dead, EngineDeadError), dead

@@ -118,7 +118,8 @@ class ModelAgent:
         """Load weights and allocate the KV cache, then hold them; returns only when cancelled.
 
         On the way out (cancelled or failed) the memory is released under a shielded
-        scope with a deadline, after any in-flight step has returned.
+        scope with a deadline, once any in-flight step has returned, or after
+        ``step_timeout`` if it is wedged: its thread then frees what it holds when it returns.
         """
         self._limiter = anyio.CapacityLimiter(1)
         try:
@@ -130,9 +131,13 @@ class ModelAgent:
                 scope.deadline = anyio.current_time() + CLEANUP_TIMEOUT
                 # A step still in flight finishes first, unless it is wedged (step_timeout).
                 wait = min(self.config.step_timeout or CLEANUP_TIMEOUT, CLEANUP_TIMEOUT)
-                await anyio.to_thread.run_sync(self._idle.wait, wait)
+                idle = await anyio.to_thread.run_sync(self._idle.wait, wait)
+                # A wedged step's thread holds the limiter under trio until it returns (asyncio
+                # lets go of it at once). Dropping our references beside it is safe: it keeps
+                # its own, and what they hold is freed when it returns.
+                limiter = self._limiter if idle else None
                 try:
-                    await self._in_thread(self._release_all)
+                    await anyio.to_thread.run_sync(self._release_all, limiter=limiter)
                 except Exception:  # never hide the error that brought us here
                     log.exception("releasing model memory failed")
 
