@@ -623,10 +623,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         seed: int | None = None,
         temperature: float = 0.0,
         dying: list[Exception] | None = None,
+        public_id: str | None = None,
     ) -> RequestModel | None:
         """Submit a request; returns the model of its (first) sequence, None if refused.
         ``sampling``: a constraint of ``CONSTRAINTS``, or "logprobs". ``dying``: a fault
-        that kills the engine is armed, so ``EngineDeadError`` may refuse it (added there)."""
+        that kills the engine is armed, so ``EngineDeadError`` may refuse it (added there).
+        ``public_id``: its id (else a fresh ``m<number>``)."""
         model = self.model
         want = model.admission_error()
         stop_token = None
@@ -639,7 +641,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             free = self.reference[model.weights][prompt]
             assert free is not None  # only constrained references may be missing
             stop_token = free[stop_at]
-        public_id = f"m{next(self.ids)}"
+        public_id = public_id or f"m{next(self.ids)}"
         members = [
             RequestModel(
                 request_id=f"{public_id}#{i}" if n > 1 else public_id,
@@ -826,7 +828,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
         after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
         too), and a wakeup while paused (back to paused), a resume, and a long request
-        whose id a second request asks for while it runs (refused), then aborted.
+        whose id a second request asks for while it runs (refused, and so is an ``n = 2``
+        request whose member id it is), then aborted.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
@@ -856,7 +859,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.wakeup(["weights", "kv_cache"])
         self.check_engine()
         self.resume()
-        self.admit(1, MAX_TOKENS)  # needs dozens of steps: live when aborted, it ends "abort"
+        # needs dozens of steps: live when aborted, it ends "abort"; its id has the shape of
+        # an n > 1 request's member id
+        self.admit(1, MAX_TOKENS, public_id=f"m{next(self.ids)}#1")
         self.duplicate_request_id(0)  # its id, while it runs: refused, naming the field
         self.abort(0)
 
@@ -941,25 +946,34 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.admission_error() is None)
     @rule(pick=st.integers(0, 255))
     def duplicate_request_id(self, pick: int) -> None:
-        """A request id still in use is refused (``InvalidRequestError`` naming it)."""
+        """A request id still in use is refused (``InvalidRequestError`` naming it), and so
+        is a request with ``n > 1`` one of whose member ids (``{id}#{i}``) is in use."""
         live = sorted({r.public_id for r in self.requests_in(self.d.live_ids())})
         if not live:
             return
         taken = live[pick % len(live)]
+        asks = [(taken, 1)]
+        stem, sep, index = taken.rpartition("#")
+        if sep and index.isdigit():
+            asks.append((stem, int(index) + 1))  # member {stem}#{index} is `taken`
 
-        def generate() -> Exception | None:
+        def generate() -> list[tuple[str, Exception]]:
             if taken not in {r.public_id for r in self.requests_in(self.d.live_ids())}:
-                return None  # it ended meanwhile
-            try:
-                self.d.engine.generate(PROMPTS[0], SamplingParams(max_tokens=1), request_id=taken)
-            except Exception as exc:
-                return exc
-            raise AssertionError(f"a second request {taken!r} was admitted")
+                return []  # it ended meanwhile
+            errors = []
+            for request_id, n in asks:
+                params = SamplingParams(max_tokens=1, n=n)
+                try:
+                    self.d.engine.generate(PROMPTS[0], params, request_id=request_id)
+                except Exception as exc:
+                    errors.append((request_id, exc))
+                    continue
+                raise AssertionError(f"{request_id!r} (n={n}) was admitted beside {taken!r}")
+            return errors
 
-        error = self.d.run_sync(generate)
-        if error is not None:
+        for request_id, error in self.d.run_sync(generate):
             assert isinstance(error, InvalidRequestError), error
-            assert error.field == "request_id" and repr(taken) in str(error), error
+            assert error.field == "request_id" and repr(request_id) in str(error), error
 
     @precondition(lambda self: self.model.state is S.STOPPED)
     @rule()
