@@ -175,6 +175,8 @@ class RequestModel:
     constraint: str | None = None  # structured outputs: a kind of structured_helpers.CASES
     eos_ids: frozenset[int] = frozenset()  # the tokens that end a constrained request
     logprobs: bool = False  # it asked for log probabilities, of its tokens and its prompt
+    stop_text: str | None = None  # a stop string (then no stop token)
+    stop_end: int | None = None  # the index of the token that completes ``stop_text``
     public_id: str = ""  # the id it was submitted under ("": request_id; n > 1: "{id}#{index}")
     index: int = 0  # its sequence's index among the request's n
     seed: int | None = None  # sampled (temperature > 0) with this seed (its sequence's: seed + i)
@@ -199,7 +201,7 @@ class RequestModel:
         self.public_id = self.public_id or self.request_id
 
     def natural_reasons(self) -> set[str]:
-        return {"length", "stop"} if self.stop_ids() else {"length"}
+        return {"length", "stop"} if self.stop_ids() or self.stop_text else {"length"}
 
     def stop_ids(self) -> set[int]:
         """The tokens that end it with "stop" (a constrained request: its EOS, the only
@@ -233,9 +235,17 @@ class RequestModel:
         if ref is None:
             return None
         tokens = ref[: self.max_tokens]
+        if self.stop_end is not None:  # computed for the weights it was admitted under
+            return tokens[: self.stop_end + 1]
         stops = self.stop_ids()
         ends = [i for i, t in enumerate(tokens) if t in stops]
         return tokens[: ends[0] + 1] if ends else tokens
+
+    def stopped(self, tokens: list[int]) -> bool:
+        """Whether ``tokens``, its natural ones, end with "stop" (else "length")."""
+        if self.stop_end is not None:
+            return len(tokens) == self.stop_end + 1
+        return bool(tokens) and tokens[-1] in self.stop_ids()
 
 
 def check_outcome(
@@ -249,7 +259,7 @@ def check_outcome(
     where = (
         f"{req.request_id} (allowed {sorted(req.allowed)}, errors {sorted(req.error_kinds)}, "
         f"weights {req.weights}, prompt {req.prompt}, max_tokens {req.max_tokens}, "
-        f"stop {req.stop_token}, constraint {req.constraint}, seed {req.seed}, "
+        f"stop {req.stop_token} {req.stop_text!r}, constraint {req.constraint}, seed {req.seed}, "
         f"temperature {req.temperature}, tokens {tokens}, "
         f"reasons {reasons}, engine {req.engine_reason})"
     )
@@ -276,11 +286,11 @@ def check_outcome(
         assert len(last.token_ids) == 1, where
         if natural is not None:
             assert tokens == natural, (where, tokens, natural)
-            want = "stop" if natural[-1] in req.stop_ids() else "length"
+            want = "stop" if req.stopped(natural) else "length"
             assert last.finish_reason == want, (where, last.finish_reason, want)
         elif last.finish_reason == "length":
             assert len(tokens) == req.max_tokens, where
-        else:
+        elif req.stop_text is None:
             assert tokens[-1] in req.stop_ids(), where
         return
     assert last.token_ids == [], (where, last)

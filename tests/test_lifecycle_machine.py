@@ -73,6 +73,7 @@ from lifecycle_driver import (
     read_dir_weights,
 )
 from lifecycle_model import (
+    NATURAL,
     EngineModel,
     RequestModel,
     cache_error_text,
@@ -631,7 +632,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         ``public_id``: its id (else a fresh ``m<number>``)."""
         model = self.model
         want = model.admission_error()
-        stop_token = None
+        stop_token = stop_text = stop_end = None
         constraint = sampling if sampling in CONSTRAINTS else None
         logprobs = sampling == "logprobs" or (sampling is None and prompt in LOGPROB_PROMPTS)
         logprobs = logprobs and temperature == 0  # greedy: the token is the most likely
@@ -640,7 +641,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         if stop_at is not None and stop_at < produced and constraint is None:
             free = self.reference[model.weights][prompt]
             assert free is not None  # only constrained references may be missing
-            stop_token = free[stop_at]
+            if stop_at % 2:  # a stop string: the text its token adds
+                stop_text, stop_end = self.stop_string(prompt, free[:produced], stop_at)
+            if stop_text is None:
+                stop_token = free[stop_at]
         public_id = public_id or f"m{next(self.ids)}"
         members = [
             RequestModel(
@@ -654,6 +658,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 prompt=prompt,
                 max_tokens=produced,
                 stop_token=stop_token,
+                stop_text=stop_text,
+                stop_end=stop_end,
                 weights=model.weights,
                 break_after=break_after,
                 held=model.holds_new_requests(),
@@ -671,6 +677,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             temperature=temperature,
             ignore_eos=constraint is None,  # a complete grammar ends with EOS
             stop_token_ids=() if stop_token is None else (stop_token,),
+            stop=() if stop_text is None else (stop_text,),
             structured_outputs=CASES[constraint] if constraint else None,
             logprobs=LOGPROBS if req.logprobs else None,
             prompt_logprobs=PROMPT_LOGPROBS if req.logprobs else None,
@@ -684,6 +691,18 @@ class LifecycleMachine(RuleBasedStateMachine):
             return req
         assert isinstance(error, want), (error, want)
         return None
+
+    def stop_string(
+        self, prompt: int, tokens: list[int], at: int
+    ) -> tuple[str, int] | tuple[None, None]:
+        """The text token ``at`` adds after ``tokens[:at]``, and the index of the first
+        token that completes it; (None, None) where the token adds no whole character."""
+        text = functools.partial(expected_text, str(self.dir_a), PROMPTS[prompt])
+        before, after = text(tokens[:at]), text(tokens[: at + 1])
+        added = after[len(before) :]
+        if not added or not after.startswith(before) or "\ufffd" in added:
+            return None, None
+        return added, next(k for k in range(at + 1) if added in text(tokens[: k + 1]))
 
     def pick(self, pick: int) -> RequestModel:
         """A request the engine still runs if there is one (which one varies with timing; the
@@ -827,7 +846,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         again), and, weights first, new weights before the KV cache wakes (the RL cycle);
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
         after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
-        too), and a wakeup while paused (back to paused), a resume, and a long request
+        too), and a wakeup while paused (back to paused), a resume, an update from the
+        weights' directory, a request with a stop string, and a long request
         whose id a second request asks for while it runs (refused, and so is an ``n = 2``
         request whose member id it is), then aborted.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
@@ -859,6 +879,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.wakeup(["weights", "kv_cache"])
         self.check_engine()
         self.resume()
+        self.update_weights("A from its directory")  # running: read from disk, off the loop
+        free = self.reference["A"][3]
+        assert free is not None
+        at = next(i for i in range(1, 16, 2) if self.stop_string(3, free, i)[0] is not None)
+        stopping = self.admit(3, MAX_TOKENS, stop_at=at)  # "stop", and the text before it
+        assert stopping is not None and stopping.stop_text is not None
+        assert not self.d.wait_ended([stopping]), "a request with a stop string never ended"
+        self.check_ended_requests()
         # needs dozens of steps: live when aborted, it ends "abort"; its id has the shape of
         # an n > 1 request's member id
         self.admit(1, MAX_TOKENS, public_id=f"m{next(self.ids)}#1")
@@ -1255,11 +1283,15 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def check_text(self, req: RequestModel) -> None:
         """A request that ended naturally streamed the whole text of its tokens."""
-        if not req.chunks or req.chunks[-1].finish_reason != "length":
+        if not req.chunks or req.chunks[-1].finish_reason not in NATURAL:
             return
         tokens = [t for c in req.chunks for t in c.token_ids]
         text = "".join(c.text for c in req.chunks)
         want = expected_text(str(self.dir_a), PROMPTS[req.prompt], tokens)
+        if req.stop_text is not None and req.chunks[-1].finish_reason == "stop":
+            want = want[: want.index(req.stop_text)]  # the stop string is not streamed
+        elif req.chunks[-1].finish_reason != "length":
+            return
         assert text == want, (req.request_id, tokens, text, want)
 
     def check_every_request_ended(self) -> None:
