@@ -847,7 +847,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         then, awake, a pause in "keep" mode followed by one in "abort" mode (a request
         after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
         too), and a wakeup while paused (back to paused), a resume, an update from the
-        weights' directory, a request with a stop string, and a long request
+        weights' directory, a request with a stop string, one asking for log probabilities of
+        a prompt whose prefix that left cached, and a long request
         whose id a second request asks for while it runs (refused, and so is an ``n = 2``
         request whose member id it is), then aborted.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
@@ -886,6 +887,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         stopping = self.admit(3, MAX_TOKENS, stop_at=at)  # "stop", and the text before it
         assert stopping is not None and stopping.stop_text is not None
         assert not self.d.wait_ended([stopping]), "a request with a stop string never ended"
+        # its prompt's blocks are cached now; a prefix of it asking for log probabilities
+        # computes them again (every position's log probabilities, as the reference's)
+        logprobs = self.admit(1, 4, sampling="logprobs")
+        assert logprobs is not None and logprobs.logprobs
+        assert not self.d.wait_ended([logprobs]), "a request with log probabilities never ended"
         self.check_ended_requests()
         # needs dozens of steps: live when aborted, it ends "abort"; its id has the shape of
         # an n > 1 request's member id
