@@ -785,10 +785,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.busy(busy)
         was = self.model.state
         want = self.model.pause(mode)
-        live, error = self.control(self.d.engine.pause, mode)
+        args = () if mode == "abort" else (mode,)  # "abort" is the default
+        live, error = self.control(self.d.engine.pause, *args)
         self.expect(error, want, "pause")
         if want is None and was is not S.SLEEPING:
             self.paused(self.requests_in(live), mode)
+        if want is None and mode == "keep" and self.d.inside and self.live():
+            # frozen requests are work the engine may not step: its loop waits, not spins
+            blocked = self.d.call(anyio.wait_all_tasks_blocked)
+            assert blocked is None, f"paused with frozen requests, a task kept running: {blocked!r}"
 
     def paused(self, reqs: list[RequestModel], mode: str) -> None:
         for req in reqs:
