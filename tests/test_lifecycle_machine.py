@@ -73,7 +73,6 @@ from lifecycle_driver import (
     read_dir_weights,
 )
 from lifecycle_model import (
-    NATURAL,
     EngineModel,
     RequestModel,
     cache_error_text,
@@ -1293,16 +1292,17 @@ class LifecycleMachine(RuleBasedStateMachine):
                 req.checked = True
 
     def check_text(self, req: RequestModel) -> None:
-        """A request that ended naturally streamed the whole text of its tokens."""
-        if not req.chunks or req.chunks[-1].finish_reason not in NATURAL:
+        """A request that ended with "length" streamed the whole text of its tokens; one
+        that a stop string ended, the text before it."""
+        reason = req.chunks[-1].finish_reason if req.chunks else None
+        by_stop_string = reason == "stop" and req.stop_text is not None
+        if reason != "length" and not by_stop_string:
             return
         tokens = [t for c in req.chunks for t in c.token_ids]
         text = "".join(c.text for c in req.chunks)
         want = expected_text(str(self.dir_a), PROMPTS[req.prompt], tokens)
-        if req.stop_text is not None and req.chunks[-1].finish_reason == "stop":
+        if by_stop_string:
             want = want[: want.index(req.stop_text)]  # the stop string is not streamed
-        elif req.chunks[-1].finish_reason != "length":
-            return
         assert text == want, (req.request_id, tokens, text, want)
 
     def check_every_request_ended(self) -> None:
