@@ -521,32 +521,40 @@ class LifecycleMachine(RuleBasedStateMachine):
         runs int8 panels) serves a greedy request with log probabilities: its tokens are
         transformers' on the weights it holds (each linear weight's rows rounded to int8
         with their own scale, dequantized), its figures within ``INT8_TOLERANCE`` of
-        transformers', and its weights take about one byte per linear weight."""
+        transformers', and its weights take about one byte per linear weight. The same
+        again on an engine that first sleeps at level 2 and wakes up (it reloads from disk
+        and quantizes again: the weights the machine's float32 engines reload keep their
+        dtype trivially, a half-precision engine's must too)."""
         if not can_pack_panels(torch.bfloat16):
             return
-        config = tiny_config(
-            self.dir_a,
-            dtype="bfloat16",
-            quantization="int8",
-            num_blocks=NUM_BLOCKS,
-            max_model_len=MAX_MODEL_LEN,
-        )
+        ref = int8_reference(str(self.dir_a))
+        assert ref.margin >= INT8_MARGIN, f"the int8 reference leads by {ref.margin} only"
+        for asleep in (False, True):
+            config = tiny_config(
+                self.dir_a,
+                dtype="bfloat16",
+                quantization="int8",
+                num_blocks=NUM_BLOCKS,
+                max_model_len=MAX_MODEL_LEN,
+                when_asleep="wait" if asleep else "reject",
+            )
+            self.check_int8_serve(config, ref, asleep)
+
+    def check_int8_serve(self, config: Any, ref: Int8Reference, asleep: bool) -> None:
         prompt = PROMPTS[INT8_PROMPT]
         params = SamplingParams(
             max_tokens=INT8_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1
         )
-        chunks, _, size = self.serve_once(config, prompt, params)
-        ref = int8_reference(str(self.dir_a))
-        assert ref.margin >= INT8_MARGIN, f"the int8 reference leads by {ref.margin} only"
+        chunks, _, size = self.serve_once(config, prompt, params, asleep=asleep)
         tokens = [t for c in chunks for t in c.token_ids]
         reasons = [c.finish_reason for c in chunks]
-        assert (tokens, reasons[-1]) == (ref.tokens, "length"), (tokens, reasons, ref.tokens)
+        assert (tokens, reasons[-1]) == (ref.tokens, "length"), (asleep, tokens, reasons)
         figures = [f for c in chunks for f in c.logprobs or []]
         wants = [float(ref.rows.rows[i, t]) for i, t in enumerate(ref.tokens)]
         assert len(figures) == len(wants) and all(
             abs(f - w) <= INT8_TOLERANCE for f, w in zip(figures, wants, strict=True)
-        ), (figures, wants)
-        assert ref.bytes_low <= size <= ref.bytes_low * 1.05, (size, ref.bytes_low)
+        ), (asleep, figures, wants)
+        assert ref.bytes_low <= size <= ref.bytes_low * 1.05, (asleep, size, ref.bytes_low)
 
     @property
     def d(self) -> EngineDriver:
