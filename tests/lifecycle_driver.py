@@ -178,7 +178,8 @@ class EngineDriver:
 
     def observer_problems(self) -> list[str]:
         """Observers hear of every ended request once (all its ``n`` sequences ended), with
-        times in order and its counts (tokens: over its sequences, and its longest's)."""
+        times in order (a request with a token was scheduled) and its counts (tokens: over
+        its sequences, and its longest's)."""
         problems = []
         for s in self.finished_stats:
             times = [s.arrival_time, s.scheduled_time, s.first_token_time, s.last_token_time]
@@ -188,6 +189,8 @@ class EngineDriver:
                 problems.append(f"request stats out of order: {s}")
             if (s.last_token_time is not None) != generated:
                 problems.append(f"request stats: {s}")
+            if generated and s.scheduled_time is None:
+                problems.append(f"request stats: a token but never scheduled: {s}")
             longest = s.max_num_generation_tokens
             if s.max_num_generation_tokens > s.max_tokens or not (
                 longest <= s.num_generation_tokens <= s.n * longest

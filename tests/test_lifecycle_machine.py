@@ -375,6 +375,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.quantized_start()
             self.held_through_sleep()
             self.split_prompt_start(block_bytes)
+            self.eviction_order_start()
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
 
     def serve_once(
@@ -473,6 +474,39 @@ class LifecycleMachine(RuleBasedStateMachine):
             mine = [c for c in chunks if c.index == index]
             got = ([t for c in mine for t in c.token_ids], mine[-1].finish_reason if mine else None)
             assert got == (want, reason), (index, got, want)
+
+    def eviction_order_start(self) -> None:
+        """Free blocks are reused oldest-freed first (LRU, as in vLLM), so the prefix that
+        ended last is the last one lost. A fresh engine (its own process kinds aside: their
+        stats are snapshots) serves two 8-token prompts, each to its end, then one that
+        takes 8 of the 12 blocks: the 4 left are the two prompts', so the second prompt,
+        asked again, must hit its first block in the prefix cache. (Newest-freed first,
+        the long prompt would have taken the second prompt's blocks first.)"""
+        if self.kind == "process":
+            return
+        children = child_pids()
+        config = tiny_config(self.dir_a, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
+        engine = make_engine(self.kind, config, FaultInjector())
+        run, _ = self.portal.start_task(engine.run)
+        first, second = list(range(60, 68)), list(range(80, 88))
+        longest = list(range(100, 131))  # with its one token: 32 slots, 8 blocks
+        one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        async def serve() -> int:
+            with anyio.fail_after(BOUND):
+                for prompt in (first, second, longest):
+                    [chunk async for chunk in engine.generate(prompt, one_token)]
+                before = engine.stats().prefix_cache_hits_total
+                [chunk async for chunk in engine.generate(second, one_token)]
+                return engine.stats().prefix_cache_hits_total - before
+
+        try:
+            hits = self.portal.call(serve)
+        finally:
+            self.portal.call(engine.stop)
+        assert run.result(timeout=BOUND) is None
+        assert child_pids() <= children, "the eviction-order engine left a process behind"
+        assert hits >= 4, f"{hits} prompt tokens hit: the last prefix freed was reused first"
 
     def split_prompt_start(self, block_bytes: int) -> None:
         """An engine with the default KV sizing (on a CPU: a budget of
