@@ -29,9 +29,9 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -97,6 +97,8 @@ from process_helpers import child_pids
 from structured_helpers import CASES
 
 S = EngineState
+T = TypeVar("T")
+
 MAX_TOKENS = 32
 # seconds: a tiny model's step takes milliseconds, but a loaded machine may stall one for
 # long; the hang rule lowers it to HANG_TIMEOUT just before its step hangs
@@ -378,37 +380,47 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.eviction_order_start()
         self.start_engine(self.when_asleep, block_bytes=block_bytes)
 
-    def serve_once(
-        self, config: Any, prompt: list[int], params: SamplingParams, *, asleep: bool = False
-    ) -> tuple[list[Any], int, int]:
-        """Start an extra engine of ``config``, serve one request, stop it, and check that
-        it left no process behind: its chunks, its KV blocks (the process kind: -1, not
-        shown) and its weights' bytes while it ran. ``asleep`` (``when_asleep="wait"``): the
-        engine sleeps (level 2) before the request comes, so it is held, then wakes up one
-        tag at a time; its chunks are read only then."""
+    def on_extra_engine(self, config: Any, body: Callable[[Any], Awaitable[T]]) -> T:
+        """Start an extra engine of ``config``, run ``body`` on it (bounded), stop it, and
+        check that it stopped cleanly and left no process behind; ``body``'s result."""
         children = child_pids()
         engine = make_engine(self.kind, config, FaultInjector())
         run, _ = self.portal.start_task(engine.run)
 
-        async def serve() -> list[Any]:
+        async def bounded() -> T:
             with anyio.fail_after(BOUND):
-                if asleep:
-                    await engine.sleep(2)
-                stream = engine.generate(prompt, params)
-                if asleep:
-                    await engine.wakeup(["kv_cache"])  # still asleep: held
-                    await engine.wakeup(["weights"])  # awake: serves
-                return [chunk async for chunk in stream]
+                return await body(engine)
 
         try:
-            chunks = self.portal.call(serve)
-            blocks = engine.stats().num_total_blocks if self.kind != "process" else -1
-            memory = self.portal.call(engine.memory_stats)
+            result = self.portal.call(bounded)
         finally:
             self.portal.call(engine.stop)
         assert run.result(timeout=BOUND) is None
         assert child_pids() <= children, f"an engine of {config} left a process behind"
-        return chunks, blocks, sum(m.weights_bytes for m in memory.values())
+        return result
+
+    def serve_once(
+        self, config: Any, prompt: list[int], params: SamplingParams, *, asleep: bool = False
+    ) -> tuple[list[Any], int, int]:
+        """Serve one request on an extra engine of ``config`` (``on_extra_engine``): its
+        chunks, its KV blocks (the process kind: -1, not shown) and its weights' bytes
+        while it ran. ``asleep`` (``when_asleep="wait"``): the engine sleeps (level 2)
+        before the request comes, so it is held, then wakes up one tag at a time; its
+        chunks are read only then."""
+
+        async def serve(engine: Any) -> tuple[list[Any], int, int]:
+            if asleep:
+                await engine.sleep(2)
+            stream = engine.generate(prompt, params)
+            if asleep:
+                await engine.wakeup(["kv_cache"])  # still asleep: held
+                await engine.wakeup(["weights"])  # awake: serves
+            chunks = [chunk async for chunk in stream]
+            blocks = engine.stats().num_total_blocks if self.kind != "process" else -1
+            memory = engine.memory_stats()
+            return chunks, blocks, sum(m.weights_bytes for m in memory.values())
+
+        return self.on_extra_engine(config, serve)
 
     def smallest_start(self, block_bytes: int) -> None:
         """A KV cache budget of exactly one block is the smallest that starts: the engine
@@ -484,28 +496,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         the long prompt would have taken the second prompt's blocks first.)"""
         if self.kind == "process":
             return
-        children = child_pids()
         config = tiny_config(self.dir_a, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
-        engine = make_engine(self.kind, config, FaultInjector())
-        run, _ = self.portal.start_task(engine.run)
         first, second = list(range(60, 68)), list(range(80, 88))
-        longest = list(range(100, 131))  # with its one token: 32 slots, 8 blocks
+        longest = list(range(100, 131))  # 31 tokens: 8 blocks
         one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-        async def serve() -> int:
-            with anyio.fail_after(BOUND):
-                for prompt in (first, second, longest):
-                    [chunk async for chunk in engine.generate(prompt, one_token)]
-                before = engine.stats().prefix_cache_hits_total
-                [chunk async for chunk in engine.generate(second, one_token)]
-                return engine.stats().prefix_cache_hits_total - before
+        async def serve(engine: Any) -> int:
+            for prompt in (first, second, longest):
+                [chunk async for chunk in engine.generate(prompt, one_token)]
+            before = engine.stats().prefix_cache_hits_total
+            [chunk async for chunk in engine.generate(second, one_token)]
+            return int(engine.stats().prefix_cache_hits_total - before)
 
-        try:
-            hits = self.portal.call(serve)
-        finally:
-            self.portal.call(engine.stop)
-        assert run.result(timeout=BOUND) is None
-        assert child_pids() <= children, "the eviction-order engine left a process behind"
+        hits = self.on_extra_engine(config, serve)
         assert hits >= 4, f"{hits} prompt tokens hit: the last prefix freed was reused first"
 
     def split_prompt_start(self, block_bytes: int) -> None:
@@ -894,7 +897,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         after it: refused), a level-1 sleep, then a level-2 one (the offloaded weights go
         too), and a wakeup while paused (back to paused), a resume, an update from the
         weights' directory, a request with a stop string, one asking for log probabilities of
-        a prompt whose prefix that left cached, and a long request
+        a prompt whose prefix that request left cached, and a long request
         whose id a second request asks for while it runs (refused, and so is an ``n = 2``
         request whose member id it is), then aborted.
         Random rule draws seldom reach these; this rule always does, with fixed sub-steps
