@@ -72,10 +72,15 @@ void attend_one(const T* q, const T* keys, const T* values, const int64_t* table
 
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Half-precision caches on AVX2: the same computation, eight positions at a time. Their keys
-// (then values) are widened to float32 once into an L1-resident tile, which every query head
-// of the group then reads; eight scores come out of one transposed sum, and the softmax's exp
-// is 8-wide (tg::exp8, within an ulp or so of std::exp).
+// Half-precision caches on AVX2: the same computation, eight positions at a time; eight scores
+// come out of one transposed sum (tg::hsum8x8's lane order), and the softmax's exp is 8-wide
+// (tg::exp8, within an ulp or so of std::exp). Each pass over the keys (then the values)
+// keeps a block of partial sums for every query head of the group in registers, so that a
+// key or value row is widened once and read by all of them: the kernel was bound by its own
+// loads and stores, not by memory (one sequence's cache in L2 ran no faster than 32 in
+// DRAM). With many heads in a group and a short head there are too few registers for a
+// useful block, and each tile of rows is widened into L1 for the heads to read instead.
+// Both forms sum in the same order, so they agree bit for bit.
 struct Scratch {
   std::vector<int64_t> offsets;  // each position's row in the cache
   std::vector<float> scores;     // [groups][positions, padded to 8]
@@ -100,6 +105,166 @@ inline void prefetch_rows(const T* base, const int64_t* offsets) {
       _mm_prefetch(reinterpret_cast<const char*>(base + offsets[p]) + c, _MM_HINT_T0);
 }
 
+// Partial sums (accumulators) a register block may hold: 16 AVX registers, less the operands.
+constexpr int kBlockRegisters = 12;
+
+// Whether the register-blocked passes pay for a group of this many heads of dimension D
+// (measured on Zen 3: 1.1-2.4x where they are used, 0.5-0.95x where they are not).
+template <int D>
+constexpr bool blocked(int groups) {
+  return D >= 80 || groups <= (D == 64 ? 6 : 3);
+}
+
+// Lane i < P of the result: the sum of a[i]'s lanes, added in tg::hsum8x8's order.
+template <int P>
+inline __m128 hsum4(const __m256* a) {
+  const __m256 v1 = P > 1 ? a[1] : a[0], v2 = P > 2 ? a[2] : a[0], v3 = P > 3 ? a[3] : a[0];
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores, P positions at a time: G x P partial sums over the head's chunks.
+template <typename T, int D, int G, int P>
+void score_keys_blocked(const T* keys, const int64_t* offsets, int64_t n8, const float (*qf)[D],
+                        float* scores, __m256* best) {
+  static_assert(8 % P == 0 && G * P <= kBlockRegisters, "a block of positions in registers");
+  for (int64_t i = 0; i < n8; i += 8) {
+    prefetch_rows<T, D>(keys, offsets + i + kAhead);
+    alignas(32) float tile[G][8];
+    for (int p0 = 0; p0 < 8; p0 += P) {
+      __m256 a[G][P];
+      for (int g = 0; g < G; ++g)
+        for (int p = 0; p < P; ++p) a[g][p] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        for (int p = 0; p < P; ++p) {
+          const __m256 k = tg::load8(keys + offsets[i + p0 + p] + c);
+          for (int g = 0; g < G; ++g)
+            a[g][p] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + c), k, a[g][p]);
+        }
+      }
+      alignas(16) float sums[4];
+      for (int g = 0; g < G; ++g) {
+        _mm_store_ps(sums, hsum4<P>(a[g]));
+        for (int p = 0; p < P; ++p) tile[g][p0 + p] = sums[p];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 v = _mm256_load_ps(tile[g]);
+      _mm256_storeu_ps(scores + g * n8 + i, v);
+      best[g] = _mm256_max_ps(best[g], v);
+    }
+  }
+}
+
+// Scores, each tile of keys widened into L1 first.
+template <typename T, int D>
+void score_keys_tiles(const T* keys, const int64_t* offsets, int64_t n8, const float (*qf)[D],
+                      int groups, float* scores, __m256* best) {
+  alignas(32) float rows[8][D];
+  for (int64_t i = 0; i < n8; i += 8) {
+    prefetch_rows<T, D>(keys, offsets + i + kAhead);
+    widen_rows<T, D>(keys, offsets + i, rows);
+    for (int g = 0; g < groups; ++g) {
+      __m256 acc[8];
+      for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_load_ps(qf[g] + c);
+        for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(rows[p] + c), acc[p]);
+      }
+      const __m256 v = tg::hsum8x8(acc);
+      _mm256_storeu_ps(scores + g * n8 + i, v);
+      best[g] = _mm256_max_ps(best[g], v);  // padding repeats a real score: harmless
+    }
+  }
+}
+
+// The weighted sum of the values, NC chunks of 8 of every head's output at a time.
+template <typename T, int D, int G, int NC>
+void sum_values_blocked(const T* values, const int64_t* offsets, int64_t n8,
+                        const float* weights, float* acc) {
+  static_assert((D / 8) % NC == 0 && G * NC <= kBlockRegisters, "chunk blocks tile the head");
+  for (int c0 = 0; c0 < D / 8; c0 += NC) {
+    __m256 a[G][NC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; ++i) {
+      if (c0 == 0 && i % 8 == 0) prefetch_rows<T, D>(values, offsets + i + kAhead);
+      const T* row = values + offsets[i] + 8 * c0;
+      __m256 w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights + g * n8 + i);
+      for (int c = 0; c < NC; ++c) {
+        const __m256 v = tg::load8(row + 8 * c);
+        for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(w[g], v, a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + g * D + 8 * (c0 + c), a[g][c]);
+  }
+}
+
+// The weighted sum of the values, each tile widened into L1 first.
+template <typename T, int D>
+void sum_values_tiles(const T* values, const int64_t* offsets, int64_t n8, const float* weights,
+                      int groups, float* acc_out) {
+  alignas(32) float rows[8][D];
+  std::fill(acc_out, acc_out + groups * D, 0.f);
+  for (int64_t i = 0; i < n8; i += 8) {
+    prefetch_rows<T, D>(values, offsets + i + kAhead);
+    widen_rows<T, D>(values, offsets + i, rows);
+    for (int g = 0; g < groups; ++g) {
+      const float* weight = weights + g * n8 + i;
+      float* acc = acc_out + g * D;
+      // Up to 8 vectors of the output in registers, one independent sum each.
+      for (int c0 = 0; c0 < D / 8; c0 += 8) {
+        const int width = std::min(8, D / 8 - c0);
+        __m256 a[8];
+        for (int c = 0; c < width; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+        for (int p = 0; p < 8; ++p) {
+          const __m256 w = _mm256_broadcast_ss(weight + p);
+          for (int c = 0; c < width; ++c)
+            a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(rows[p] + 8 * (c0 + c)), a[c]);
+        }
+        for (int c = 0; c < width; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
+      }
+    }
+  }
+}
+
+// Chunks of 8 per register block of the values' pass: the most that fit for G heads.
+constexpr int chunk_block(int chunks, int groups) {
+  for (int nc : {8, 4, 2})
+    if (chunks % nc == 0 && groups * nc <= kBlockRegisters) return nc;
+  return 1;
+}
+
+template <typename T, int D>
+void score_keys(const T* keys, const int64_t* offsets, int64_t n8, const float (*qf)[D],
+                int groups, float* scores, __m256* best) {
+  if (!blocked<D>(groups)) return score_keys_tiles<T, D>(keys, offsets, n8, qf, groups, scores, best);
+  switch (groups) {
+#define TG_GROUP(G)                                                                  \
+  case G:                                                                            \
+    return score_keys_blocked<T, D, G, (G <= 3 ? 4 : G <= 6 ? 2 : 1)>(keys, offsets, n8, qf, \
+                                                                       scores, best);
+    TG_GROUP(1) TG_GROUP(2) TG_GROUP(3) TG_GROUP(4) TG_GROUP(5) TG_GROUP(6) TG_GROUP(7) TG_GROUP(8)
+#undef TG_GROUP
+  }
+}
+
+template <typename T, int D>
+void sum_values(const T* values, const int64_t* offsets, int64_t n8, const float* weights,
+                int groups, float* acc) {
+  if (!blocked<D>(groups)) return sum_values_tiles<T, D>(values, offsets, n8, weights, groups, acc);
+  switch (groups) {
+#define TG_GROUP(G)                                                                        \
+  case G:                                                                                  \
+    return sum_values_blocked<T, D, G, chunk_block(D / 8, G)>(values, offsets, n8, weights, \
+                                                              acc);
+    TG_GROUP(1) TG_GROUP(2) TG_GROUP(3) TG_GROUP(4) TG_GROUP(5) TG_GROUP(6) TG_GROUP(7) TG_GROUP(8)
+#undef TG_GROUP
+  }
+}
+
 template <typename T, int D>
 void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* table,
                   int64_t start, int64_t len, int64_t block_size, int64_t block_stride,
@@ -108,7 +273,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   const int64_t n = len - start, n8 = (n + 7) / 8 * 8;
   s.offsets.resize(static_cast<size_t>(n8));
   s.scores.resize(static_cast<size_t>(groups * n8));
-  s.acc.assign(static_cast<size_t>(groups * D), 0.f);
+  s.acc.resize(static_cast<size_t>(groups * D));
   // Each position's row, walking the table block by block (no division per position).
   for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
     s.offsets[i] = table[block] * block_stride + slot * D;
@@ -117,26 +282,11 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
   for (int64_t i = n; i < n8; ++i) s.offsets[i] = s.offsets[n - 1];  // padding: a real row
   s.offsets.resize(static_cast<size_t>(n8 + kAhead), s.offsets[n - 1]);  // read-ahead past the end
   alignas(32) float qf[8][D];
-  alignas(32) float rows[8][D];
   for (int g = 0; g < groups; ++g)
     for (int d = 0; d < D; ++d) qf[g][d] = to_float(q[g * D + d]) * scale;
   __m256 best[8];
   for (int g = 0; g < groups; ++g) best[g] = _mm256_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n8; i += 8) {
-    prefetch_rows<T, D>(keys, &s.offsets[i + kAhead]);
-    widen_rows<T, D>(keys, &s.offsets[i], rows);
-    for (int g = 0; g < groups; ++g) {
-      __m256 acc[8];
-      for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
-      for (int c = 0; c < D; c += 8) {
-        const __m256 qv = _mm256_load_ps(qf[g] + c);
-        for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(rows[p] + c), acc[p]);
-      }
-      const __m256 scores = tg::hsum8x8(acc);
-      _mm256_storeu_ps(&s.scores[g * n8 + i], scores);
-      best[g] = _mm256_max_ps(best[g], scores);  // padding repeats a real score: harmless
-    }
-  }
+  score_keys<T, D>(keys, s.offsets.data(), n8, qf, groups, s.scores.data(), best);
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   float total[8];
   for (int g = 0; g < groups; ++g) {
@@ -152,26 +302,7 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
     }
     total[g] = tg::hsum8(sum);
   }
-  for (int64_t i = 0; i < n8; i += 8) {
-    prefetch_rows<T, D>(values, &s.offsets[i + kAhead]);
-    widen_rows<T, D>(values, &s.offsets[i], rows);
-    for (int g = 0; g < groups; ++g) {
-      const float* weight = &s.scores[g * n8 + i];
-      float* acc = &s.acc[g * D];
-      // Up to 8 vectors of the output in registers, one independent sum each.
-      for (int c0 = 0; c0 < D / 8; c0 += 8) {
-        const int width = std::min(8, D / 8 - c0);
-        __m256 a[8];
-        for (int c = 0; c < width; ++c) a[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
-        for (int p = 0; p < 8; ++p) {
-          const __m256 w = _mm256_broadcast_ss(weight + p);
-          for (int c = 0; c < width; ++c)
-            a[c] = _mm256_fmadd_ps(w, _mm256_load_ps(rows[p] + 8 * (c0 + c)), a[c]);
-        }
-        for (int c = 0; c < width; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), a[c]);
-      }
-    }
-  }
+  sum_values<T, D>(values, s.offsets.data(), n8, s.scores.data(), groups, s.acc.data());
   for (int g = 0; g < groups; ++g) {
     const __m256 inv = _mm256_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
     for (int c = 0; c < D; c += 8)
