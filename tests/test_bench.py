@@ -68,6 +68,16 @@ def test_throughput(
     assert ratios["tgengine / hf_generate_batch"] > 0
     details = result["details"]["tgengine"]
     assert details["num_steps"] > 0 and 0 < details["forward_fraction_of_wall"] <= 1
+    # tgengine's floor takes the GEMM rate measured just before and after its run.
+    tg = result["rows"][0]
+    before, after = tg["matmul_flops_before_after"]
+    assert before > 0 and after > 0
+    assert tg["compute_floor_matmul_flops"] == pytest.approx((before + after) / 2)
+    machine = result["roofline"]["machine"]
+    assert result["rows"][1]["compute_floor_matmul_flops"] == machine["matmul_flops"]
+    assert "matmul_flops_before_after" not in result["rows"][1]
+    printed = (tmp_path / "throughput.txt").read_text()
+    assert f"{before / 1e9:.0f}/{after / 1e9:.0f}" in printed
 
 
 def test_latency(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -198,6 +198,7 @@ def test_throughput_with_peers(tiny_llama_dir: Path, tmp_path: Path, fakes: dict
     for row in rows.values():
         assert row["output_tokens"] == result["workload"]["output_tokens"], row["system"]
         assert row["tokens_per_s"] > 0 and row["fraction_of_compute_floor"] > 0
+        assert all(rate > 0 for rate in row["matmul_flops_before_after"]), row["system"]
     ratios = result["ratios"]
     assert ratios["tgengine / vllm (best)"] > 0 and ratios["tgengine / llamacpp (best)"] > 0
     assert ratios["best vllm threads"] in (1, 2) and ratios["best tgengine threads"] in (1, 2)

@@ -7,14 +7,24 @@ import datetime
 import os
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..models import ModelConfig, load_model_config
-from .roofline import MachineLimits, measure_machine, pick_threads
+from .roofline import (
+    MachineLimits,
+    gemm_cases,
+    gemm_rate,
+    measure_machine,
+    measure_seconds,
+    pick_threads,
+)
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,10 +103,7 @@ class BenchSetup:
     def measure_machine(self, threads: int | None = None) -> MachineLimits:
         """The machine's limits at this run's threads, or (on CPU) at ``threads``."""
         mc = self.model_config()
-        before = torch.get_num_threads()
-        if threads is not None and torch.device(self.device).type == "cpu":
-            torch.set_num_threads(threads)
-        try:
+        with self._threads(threads):
             return measure_machine(
                 self.device,
                 self.torch_dtype,
@@ -104,6 +111,38 @@ class BenchSetup:
                 intermediate=mc.intermediate_size,
                 quick=self.quick,
             )
+
+    def matmul_now(self, limits: MachineLimits, threads: int | None = None) -> float:
+        """The GEMM rate now: the case that gave ``limits`` its rate, timed again at
+        ``threads`` (on CPU; default: this run's) for twice ``measure_machine``'s time (a
+        shared machine's rate swings by a third from one half-second to the next)."""
+        mc = self.model_config()
+        cases = gemm_cases(
+            self.device,
+            self.torch_dtype,
+            hidden=mc.hidden_size,
+            intermediate=mc.intermediate_size,
+            quick=self.quick,
+        )
+        best = max(limits.matmul_detail, key=lambda label: limits.matmul_detail[label])
+        with self._threads(threads):
+            return gemm_rate(self.device, cases[best], 2 * measure_seconds(self.quick))
+
+    def around(
+        self, limits: MachineLimits, threads: int | None, run: Callable[[], T]
+    ) -> tuple[T, tuple[float, float]]:
+        """``run()``'s result, and the GEMM rate (``matmul_now``) just before and just after it."""
+        before = self.matmul_now(limits, threads)
+        result = run()
+        return result, (before, self.matmul_now(limits, threads))
+
+    @contextmanager
+    def _threads(self, threads: int | None) -> Iterator[None]:
+        before = torch.get_num_threads()
+        if threads is not None and torch.device(self.device).type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            yield
         finally:
             torch.set_num_threads(before)
 

@@ -108,9 +108,18 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _floor_gemm(row: dict[str, Any]) -> str:
+    """The GEMM rate a row's compute floor took: before/after its run, or the bench's."""
+    around = row.get("matmul_flops_before_after")
+    if around is not None:
+        return "/".join(f"{rate / _GB:.0f}" for rate in around)
+    rate = row.get("compute_floor_matmul_flops")
+    return "" if rate is None else f"{rate / _GB:.0f}"
+
+
 def _throughput(result: dict[str, Any]) -> str:
     out = table(
-        result["rows"],
+        [{**row, "floor_gemm": _floor_gemm(row)} for row in result["rows"]],
         [
             ("system", "system"),
             ("tokens_per_s", "out tok/s"),
@@ -119,6 +128,7 @@ def _throughput(result: dict[str, Any]) -> str:
             ("wall_s", "wall s"),
             ("output_tokens", "out tokens"),
             ("fraction_of_compute_floor", "of compute floor"),
+            ("floor_gemm", "GEMM GFLOP/s before/after"),
         ],
     )
     for name, tg in result.get("details", {}).items():

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -70,6 +71,44 @@ def _gemm_shapes(
     return {"square 2048": (2048, 2048, 2048), "mlp m=512": (512, 2 * intermediate, hidden)}
 
 
+GemmCase = tuple[int, int, int, torch.dtype]  # m, n, k and the operands' dtype
+
+
+def gemm_cases(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    hidden: int = 576,
+    intermediate: int = 1536,
+    quick: bool = False,
+) -> dict[str, GemmCase]:
+    """The GEMMs ``measure_machine`` times, by label.
+
+    Half-precision weights may be multiplied in float32 where that is faster (CPUs without
+    native bf16 products, see models.gemm): each shape is timed in float32 too, and the
+    floor is the fastest case.
+    """
+    device = torch.device(device)
+    dtypes = [dtype]
+    if device.type == "cpu" and dtype != torch.float32:
+        dtypes.append(torch.float32)
+    cases = {}
+    for name, (m, n, k) in _gemm_shapes(device, hidden, intermediate, quick).items():
+        for kind in dtypes:
+            cases[name if kind == dtype else f"{name} in float32"] = (m, n, k, kind)
+    return cases
+
+
+def gemm_rate(device: torch.device | str, case: GemmCase, seconds: float) -> float:
+    """FLOP/s of one sustained GEMM ``case`` (at the current threads)."""
+    device = torch.device(device)
+    m, n, k, kind = case
+    with torch.inference_mode():
+        a = torch.randn(m, k, device=device).to(kind)
+        b = torch.randn(n, k, device=device).to(kind)
+        return _rate(partial(torch.matmul, a, b.T), 2.0 * m * n * k, device, seconds)
+
+
 def measure_machine(
     device: torch.device | str,
     dtype: torch.dtype,
@@ -84,22 +123,10 @@ def measure_machine(
     for smoke tests only).
     """
     device = torch.device(device)
-    seconds = 0.1 if quick else _MEASURE_SECONDS
-    matmul: dict[str, float] = {}
+    seconds = measure_seconds(quick)
+    cases = gemm_cases(device, dtype, hidden=hidden, intermediate=intermediate, quick=quick)
+    matmul = {label: gemm_rate(device, case, seconds) for label, case in cases.items()}
     with torch.inference_mode():
-        # Half-precision weights may be multiplied in float32 where that is faster (CPUs
-        # without native bf16 products, see models.gemm): the floor is the faster of the two.
-        dtypes = [dtype]
-        if device.type == "cpu" and dtype != torch.float32:
-            dtypes.append(torch.float32)
-        for name, (m, n, k) in _gemm_shapes(device, hidden, intermediate, quick).items():
-            for kind in dtypes:
-                a = torch.randn(m, k, device=device).to(kind)
-                b = torch.randn(n, k, device=device).to(kind)
-                label = name if kind == dtype else f"{name} in float32"
-                matmul[label] = _rate(
-                    partial(torch.matmul, a, b.T), 2.0 * m * n * k, device, seconds
-                )
         size = (1 << 30) if device.type == "cuda" else (512 << 20)
         if quick:
             size = 32 << 20
@@ -118,6 +145,10 @@ def measure_machine(
         matmul_detail=matmul,
         bandwidth_detail=bandwidth,
     )
+
+
+def measure_seconds(quick: bool) -> float:
+    return 0.1 if quick else _MEASURE_SECONDS
 
 
 def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, dict[str, float]]:
@@ -199,17 +230,32 @@ class ModelCosts:
 
 
 def compute_floor(
-    costs: ModelCosts, limits: MachineLimits, requests: list[BenchRequest], wall_s: float
-) -> dict[str, float]:
-    """The workload's FLOPs at the measured GEMM rate, and the fraction of it a run reached."""
+    costs: ModelCosts,
+    limits: MachineLimits,
+    requests: list[BenchRequest],
+    wall_s: float,
+    around: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """The workload's FLOPs at the measured GEMM rate, and the fraction of it a run reached.
+
+    ``around``: the GEMM rate measured just before and just after the run (``BenchSetup.around``);
+    the floor then takes their mean, the machine's rate while the run went on, instead of
+    ``limits``' (measured once, at the bench's start). On a shared machine the rate drifts by
+    tens of percent within minutes, more than the runs compared differ.
+    """
     flops = costs.workload_flops(requests)
-    floor_s = flops / limits.matmul_flops
-    return {
+    rate = limits.matmul_flops if around is None else sum(around) / 2
+    floor_s = flops / rate
+    found: dict[str, Any] = {
         "workload_flops": float(flops),
         "compute_floor_s": floor_s,
+        "compute_floor_matmul_flops": rate,
         "achieved_flops": flops / wall_s if wall_s > 0 else 0.0,
         "fraction_of_compute_floor": floor_s / wall_s if wall_s > 0 else 0.0,
     }
+    if around is not None:
+        found["matmul_flops_before_after"] = list(around)
+    return found
 
 
 def memory_floor(

@@ -23,6 +23,7 @@ from .control_plane import compare, executor_timings, uni_setup, wants_compariso
 from .engine_run import engine_config, percentiles, profile_steps, run_all, stream_one, warm_up
 from .hf_baselines import generate_batch, generate_static, load_hf_model, single_stream
 from .peers import LimitsByThreads, PeerPlan, best_by_kind, run_peers, throughput_job
+from .peers.spec import Threads
 from .roofline import ModelCosts, compute_floor, memory_floor
 from .workload import BenchRequest, WorkloadSpec, fixed_workload, make_workload, summarize
 
@@ -103,9 +104,11 @@ def run_throughput(
     details: dict[str, Any] = {}
     control: dict[str, Any] | None = None
     n, prompt_tokens = info["num_requests"], info["prompt_tokens"]
+    arounds: dict[str, tuple[float, float]] = {}  # the GEMM rate before and after a run
     if "tgengine" in systems:
         for label, run_setup in tgengine_runs(setup, tgengine_threads):
-            tg = anyio.run(partial(_tgengine_mixed, run_setup, requests))
+            run = partial(anyio.run, partial(_tgengine_mixed, run_setup, requests))
+            tg, arounds[label] = setup.around(limits, None, run)  # at the run's threads
             rows.append(_row(label, tg["wall_s"], tg["output_tokens"], n, prompt_tokens))
             if label != "tgengine":
                 rows[-1]["threads"] = run_setup.threads
@@ -140,7 +143,8 @@ def run_throughput(
     by_threads = LimitsByThreads(setup, limits)
     for row in rows:
         at = by_threads.at(row["threads"]) if "threads" in row else limits
-        row.update(compute_floor(costs, at, requests, row["wall_s"]))
+        around = arounds.get(row["system"])
+        row.update(compute_floor(costs, at, requests, row["wall_s"], around))
     peer_info = {}
     if peers is not None and peers.peers:
         peer_info = _peer_rows(setup, peers, requests, rows, costs, by_threads)
@@ -168,10 +172,15 @@ def _peer_rows(
     peer run reported besides its figures (version, start-up time, or its error)."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
     info = {}
+
+    def matmul_now(threads: Threads) -> float:
+        return setup.matmul_now(by_threads.base, threads if isinstance(threads, int) else None)
+
     for run in run_peers(
         plan,
         lambda t: throughput_job(setup.model_dir, setup.dtype, t, requests),
         progress=setup.progress,
+        measure=matmul_now,
     ):
         info[run.label] = run.info()
         if run.result is None:
@@ -179,7 +188,8 @@ def _peer_rows(
         wall = run.result["wall_s"]
         row = _row(run.label, wall, run.result["output_tokens"], len(requests), prompt_tokens)
         row.update({"peer": run.peer.kind, "threads": run.threads})
-        row.update(compute_floor(costs, by_threads.at(run.threads), requests, wall))
+        at = by_threads.at(run.threads)
+        row.update(compute_floor(costs, at, requests, wall, run.matmul_before_after))
         rows.append(row)
     return info
 

@@ -35,6 +35,7 @@ class PeerRun:
     threads: Threads
     result: dict[str, Any] | None = None
     error: str | None = None
+    matmul_before_after: tuple[float, float] | None = None  # see run_peers' measure
 
     @property
     def label(self) -> str:
@@ -48,11 +49,17 @@ class PeerRun:
 
 
 def run_peers(
-    plan: PeerPlan, make_job: Callable[[Threads], dict[str, Any]], *, progress: bool = True
+    plan: PeerPlan,
+    make_job: Callable[[Threads], dict[str, Any]],
+    *,
+    progress: bool = True,
+    measure: Callable[[Threads], float] | None = None,
 ) -> Iterator[PeerRun]:
     """Run ``make_job(threads)`` on each peer at each thread count, in order.
 
     A peer that fails is reported (``PeerRun.error``) and the loop goes on with the next.
+    ``measure(threads)``, if given, is called just before and just after each run (the GEMM
+    rate around it: ``PeerRun.matmul_before_after``).
     """
     for peer in plan.peers:
         for threads in plan.threads:
@@ -60,6 +67,7 @@ def run_peers(
             if progress:
                 print(f"peer {run.label}: running", file=sys.stderr, flush=True)
             runner = run_vllm if peer.kind == "vllm" else run_llamacpp
+            before = measure(threads) if measure is not None else None
             try:
                 run.result = runner(
                     peer, make_job(threads), timeout_s=plan.timeout_s, log_dir=plan.log_dir
@@ -67,6 +75,8 @@ def run_peers(
             except PeerRunError as exc:
                 run.error = str(exc)
                 print(f"peer {run.label}: failed: {exc}", file=sys.stderr, flush=True)
+            if measure is not None and before is not None:
+                run.matmul_before_after = (before, measure(threads))
             yield run
 
 
