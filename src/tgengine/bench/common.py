@@ -15,14 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..models import ModelConfig, load_model_config
-from .roofline import (
-    MachineLimits,
-    gemm_cases,
-    gemm_rate,
-    measure_machine,
-    measure_seconds,
-    pick_threads,
-)
+from .roofline import MachineLimits, gemm_rate, measure_machine, measure_seconds, pick_threads
 
 T = TypeVar("T")
 
@@ -113,20 +106,11 @@ class BenchSetup:
             )
 
     def matmul_now(self, limits: MachineLimits, threads: int | None = None) -> float:
-        """The GEMM rate now: the case that gave ``limits`` its rate, timed again at
-        ``threads`` (on CPU; default: this run's) for twice ``measure_machine``'s time (a
-        shared machine's rate swings by a third from one half-second to the next)."""
-        mc = self.model_config()
-        cases = gemm_cases(
-            self.device,
-            self.torch_dtype,
-            hidden=mc.hidden_size,
-            intermediate=mc.intermediate_size,
-            quick=self.quick,
-        )
-        best = max(limits.matmul_detail, key=lambda label: limits.matmul_detail[label])
+        """The GEMM rate now: ``limits.matmul_case`` timed again at ``threads`` (on CPU;
+        default: this run's) for twice ``measure_machine``'s time (a shared machine's rate
+        swings by a third from one half-second to the next)."""
         with self._threads(threads):
-            return gemm_rate(self.device, cases[best], 2 * measure_seconds(self.quick))
+            return gemm_rate(self.device, limits.matmul_case, 2 * measure_seconds(self.quick))
 
     def around(
         self, limits: MachineLimits, threads: int | None, run: Callable[[], T]

@@ -25,6 +25,8 @@ from .workload import BenchRequest
 # Sustained, not burst: a shared or throttled machine shows its real rate only after a while.
 _MEASURE_SECONDS = 1.5
 
+GemmCase = tuple[int, int, int, str]  # m, n, k and the operands' dtype (its torch name)
+
 
 @dataclass(frozen=True)
 class MachineLimits:
@@ -35,6 +37,7 @@ class MachineLimits:
     memory_bandwidth: float  # bytes/s, best of a read (sum) and a copy (read + write)
     matmul_detail: dict[str, float]
     bandwidth_detail: dict[str, float]
+    matmul_case: GemmCase  # the GEMM that gave matmul_flops (``matmul_now`` times it again)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -71,16 +74,8 @@ def _gemm_shapes(
     return {"square 2048": (2048, 2048, 2048), "mlp m=512": (512, 2 * intermediate, hidden)}
 
 
-GemmCase = tuple[int, int, int, torch.dtype]  # m, n, k and the operands' dtype
-
-
-def gemm_cases(
-    device: torch.device | str,
-    dtype: torch.dtype,
-    *,
-    hidden: int = 576,
-    intermediate: int = 1536,
-    quick: bool = False,
+def _gemm_cases(
+    device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, quick: bool
 ) -> dict[str, GemmCase]:
     """The GEMMs ``measure_machine`` times, by label.
 
@@ -88,21 +83,25 @@ def gemm_cases(
     native bf16 products, see models.gemm): each shape is timed in float32 too, and the
     floor is the fastest case.
     """
-    device = torch.device(device)
     dtypes = [dtype]
     if device.type == "cpu" and dtype != torch.float32:
         dtypes.append(torch.float32)
     cases = {}
     for name, (m, n, k) in _gemm_shapes(device, hidden, intermediate, quick).items():
         for kind in dtypes:
-            cases[name if kind == dtype else f"{name} in float32"] = (m, n, k, kind)
+            cases[name if kind == dtype else f"{name} in float32"] = (m, n, k, _name(kind))
     return cases
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def gemm_rate(device: torch.device | str, case: GemmCase, seconds: float) -> float:
     """FLOP/s of one sustained GEMM ``case`` (at the current threads)."""
     device = torch.device(device)
-    m, n, k, kind = case
+    m, n, k, name = case
+    kind = getattr(torch, name)
     with torch.inference_mode():
         a = torch.randn(m, k, device=device).to(kind)
         b = torch.randn(n, k, device=device).to(kind)
@@ -124,8 +123,9 @@ def measure_machine(
     """
     device = torch.device(device)
     seconds = measure_seconds(quick)
-    cases = gemm_cases(device, dtype, hidden=hidden, intermediate=intermediate, quick=quick)
+    cases = _gemm_cases(device, dtype, hidden, intermediate, quick)
     matmul = {label: gemm_rate(device, case, seconds) for label, case in cases.items()}
+    best = max(matmul, key=lambda label: matmul[label])
     with torch.inference_mode():
         size = (1 << 30) if device.type == "cuda" else (512 << 20)
         if quick:
@@ -138,12 +138,13 @@ def measure_machine(
         }
     return MachineLimits(
         device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=_name(dtype),
         threads=torch.get_num_threads(),
-        matmul_flops=max(matmul.values()),
+        matmul_flops=matmul[best],
         memory_bandwidth=max(bandwidth.values()),
         matmul_detail=matmul,
         bandwidth_detail=bandwidth,
+        matmul_case=cases[best],
     )
 
 
