@@ -25,8 +25,8 @@ from anyio.from_thread import BlockingPortal
 
 from tgengine import Engine, EngineConfig, ProcessEngine, SamplingParams
 from tgengine._faults import FaultInjector
-from tgengine.block_manager import BlockManager, hash_block
-from tgengine.request_stats import RequestStats
+from tgengine.core.block_manager import BlockManager, hash_block
+from tgengine.engine.request_stats import RequestStats
 
 from lifecycle_model import RequestModel
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from tgengine import block_manager as block_manager_module
-from tgengine.block_manager import BlockManager, hash_block
-from tgengine.sequence import Sequence
+from tgengine.core import block_manager as block_manager_module
+from tgengine.core.block_manager import BlockManager, hash_block
+from tgengine.core.sequence import Sequence
 
 
 def make_seq(seq_id: str, token_ids: list[int]) -> Sequence:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgengine import cpu_threads
+from tgengine.agent import cpu_threads
 
 
 def test_fastest_count_is_measured_among_the_cores() -> None:

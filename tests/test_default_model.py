@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tgengine import default_model
-from tgengine.default_model import (
+from tgengine.cli import default_model
+from tgengine.cli.default_model import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
     ensure_default_model,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tgengine.detokenizer import IncrementalDetokenizer
+from tgengine.tokenization.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 ALPHABET = [*"abcdefghijklmnopqrstuvwxyz ABC.,!?\n0123", "é", "ü", "ñ", "ß", "€", "中", "文"]

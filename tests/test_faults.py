@@ -119,7 +119,7 @@ async def test_a_cache_error_leaves_no_prefix_behind(tiny_llama_dir: Path) -> No
 async def test_a_failing_cleanup_never_hides_the_fault(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tgengine.model_agent import ModelAgent
+    from tgengine.agent.agent import ModelAgent
 
     def broken_release(self: ModelAgent) -> None:
         raise RuntimeError("release failed")

@@ -59,7 +59,7 @@ from tgengine import (
     SamplingParams,
 )
 from tgengine._faults import FaultInjector
-from tgengine.model_agent import CPU_KV_CACHE_BYTES
+from tgengine.agent.agent import CPU_KV_CACHE_BYTES
 from tgengine.models import kernels
 from tgengine.models.gemm import can_pack_panels
 

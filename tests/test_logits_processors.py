@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tgengine.errors import InvalidRequestError
-from tgengine.logits_processors import (
+from tgengine.sample.logits_processors import (
     LogitBias,
     MinTokens,
     Penalties,
@@ -16,7 +16,7 @@ from tgengine.logits_processors import (
     apply_processors,
     default_processors,
 )
-from tgengine.sampler import Sampler
+from tgengine.sample.sampler import Sampler
 from tgengine.sampling import SamplingParams
 
 VOCAB = 8

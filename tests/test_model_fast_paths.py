@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tgengine.model_inputs import prepare_inputs
+from tgengine.agent.inputs import prepare_inputs
+from tgengine.core.step import SeqStep
 from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights, Panels, can_pack_panels, can_prepack
 from tgengine.models.weights import pack_weights
 from tgengine.sampling import SamplingParams
-from tgengine.step import SeqStep
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

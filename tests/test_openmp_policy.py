@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tgengine import openmp_policy
+from tgengine.runtime import openmp_policy
 
 SHOW = "import os, {first}; print(os.environ.get('GOMP_SPINCOUNT'))"
 VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")

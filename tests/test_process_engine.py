@@ -24,8 +24,8 @@ from tgengine import (
     StructuredOutputsParams,
 )
 from tgengine._faults import FaultInjector
+from tgengine.engine.request_stats import RequestStats
 from tgengine.models import iter_safetensors
-from tgengine.request_stats import RequestStats
 
 from engine_helpers import (
     TIMEOUT,

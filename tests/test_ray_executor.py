@@ -221,7 +221,7 @@ def test_the_placement_strategy_is_validated() -> None:
 
 
 def test_only_a_loopback_rendezvous_pins_the_loopback_interface() -> None:
-    from tgengine.parallel import _is_loopback
+    from tgengine.runtime.parallel import _is_loopback
 
     assert _is_loopback("tcp://127.0.0.1:29500") and _is_loopback("tcp://localhost:1")
     assert not _is_loopback("tcp://10.1.2.3:29500")  # ranks on several machines (Ray)

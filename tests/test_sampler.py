@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tgengine.models import kernels
-from tgengine.sampler import Sampler, SamplingRow
+from tgengine.sample.sampler import Sampler, SamplingRow
 from tgengine.sampling import SamplingParams
 
 

@@ -13,8 +13,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tgengine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from tgengine.sequence import Sequence, SequenceStatus
+from tgengine.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tgengine.core.sequence import Sequence, SequenceStatus
 
 
 def fake_next_token(token_ids: list[int]) -> int:

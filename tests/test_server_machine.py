@@ -41,7 +41,7 @@ from tgengine import (
     EngineState,
     EngineStoppedError,
 )
-from tgengine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats
 
 from lifecycle_model import EngineModel
 

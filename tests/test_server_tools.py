@@ -16,7 +16,7 @@ import pytest
 from server_helpers import API_KEY, MODEL, TIMEOUT, running_server
 from tgengine.server.protocol import ChatMessage
 from tgengine.server.tools import template_messages
-from tgengine.tokenizer import chat_prompt, load_tokenizer
+from tgengine.tokenization.tokenizer import chat_prompt, load_tokenizer
 
 from model_factory import read_config, write_config
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from tgengine import EngineConfig, open_engine
-from tgengine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats
 
 from engine_helpers import (
     TIMEOUT,

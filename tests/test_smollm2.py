@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from tgengine import EngineConfig, open_engine
-from tgengine.default_model import ensure_default_model
+from tgengine.cli.default_model import ensure_default_model
 
 from engine_helpers import generate_all, greedy, hf_greedy, tokens_of
 

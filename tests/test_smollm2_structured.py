@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 from tgengine import EngineConfig, SamplingParams, open_engine
-from tgengine.default_model import ensure_default_model
-from tgengine.tokenizer import chat_prompt
+from tgengine.cli.default_model import ensure_default_model
+from tgengine.tokenization.tokenizer import chat_prompt
 
 from engine_helpers import collect
 from structured_helpers import CASES, check_output, text_of

@@ -21,11 +21,11 @@ import torch
 
 from tgengine import Engine, InvalidRequestError, ModelLoadError
 from tgengine._faults import FaultPlan
+from tgengine.core.step import SeqStep, StepBatch, StepResult
 from tgengine.executor.worker import Execute
 from tgengine.models import KVCache, iter_safetensors, load_model, load_model_config
 from tgengine.models.weights import resident_bytes
 from tgengine.sampling import SamplingParams
-from tgengine.step import SeqStep, StepBatch, StepResult
 
 from engine_helpers import (
     TIMEOUT,
@@ -154,7 +154,7 @@ def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: 
 def test_each_rank_reads_only_its_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loaded in one process as rank 0 and rank 1 of 2 (loading needs no collective)."""
     from tgengine.models.safetensors_reader import StoredTensor
-    from tgengine.parallel import ParallelContext
+    from tgengine.runtime.parallel import ParallelContext
 
     model_dir = make_tiny_model_dir(tmp_path, arch="phi3", num_key_value_heads=1)
     config = load_model_config(model_dir)
@@ -203,7 +203,7 @@ def test_each_rank_reads_only_its_shard(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_llama_dir: Path) -> None:
-    from tgengine.parallel import ParallelContext
+    from tgengine.runtime.parallel import ParallelContext
 
     config = load_model_config(tiny_llama_dir)  # 4 query heads, 2 KV heads
     with pytest.raises(ModelLoadError, match="tensor-parallel size 3"):

@@ -11,10 +11,16 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from tgengine import EngineConfig, tokenizer_facts
+from tgengine import EngineConfig
 from tgengine.errors import ModelLoadError
-from tgengine.fast_tokenizer import FastTokenizer
-from tgengine.tokenizer import _plain_config, chat_prompt, load_hf_tokenizer, load_tokenizer
+from tgengine.tokenization import tokenizer_facts
+from tgengine.tokenization.fast_tokenizer import FastTokenizer
+from tgengine.tokenization.tokenizer import (
+    _plain_config,
+    chat_prompt,
+    load_hf_tokenizer,
+    load_tokenizer,
+)
 
 from model_factory import IM_END, IM_START, make_tiny_model_dir
 

@@ -42,7 +42,7 @@ class RankGroup:
     def load(self, config: Any) -> list[Any]:
         """Start every rank on ``config`` (a fresh rendezvous); each rank's ``AgentInfo``."""
         from tgengine.executor.worker import RankSpec
-        from tgengine.parallel import free_port
+        from tgengine.runtime.parallel import free_port
 
         init_method = f"tcp://127.0.0.1:{free_port()}"
         n = self.world_size

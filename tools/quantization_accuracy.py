@@ -29,8 +29,8 @@ from typing import Any
 import anyio
 
 from tgengine import EngineConfig, SamplingParams, open_engine
-from tgengine.default_model import ensure_default_model
-from tgengine.tokenizer import chat_prompt, load_tokenizer
+from tgengine.cli.default_model import ensure_default_model
+from tgengine.tokenization.tokenizer import chat_prompt, load_tokenizer
 
 VARIANTS = {
     "float32": {"dtype": "float32"},

@@ -2,13 +2,14 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .openmp_policy import shorten_openmp_spin
+from .runtime.openmp_policy import shorten_openmp_spin
 
 shorten_openmp_spin()  # before anything loads torch (and with it OpenMP)
 
+from .agent.agent import MemoryStats
 from .config import EngineConfig
-from .engine import Engine
-from .engine_client import EngineClient
+from .engine.client import EngineClient
+from .engine.engine import Engine
 from .errors import (
     CacheNotReadyError,
     EngineDeadError,
@@ -20,7 +21,6 @@ from .errors import (
     ModelLoadError,
     TGEngineError,
 )
-from .model_agent import MemoryStats
 from .open_engine import open_engine
 from .outputs import RequestOutput
 from .process.errors import EngineProcessExited

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Literal, overload
 import anyio
 
 from .config import EngineConfig
-from .engine import Engine
-from .engine_client import EngineClient
+from .engine.client import EngineClient
+from .engine.engine import Engine
 
 if TYPE_CHECKING:
     from .process import ProcessEngine

@@ -205,7 +205,7 @@ def _cpu_model() -> str:
 
 def rss_bytes() -> int:
     """This process's resident set size."""
-    from ..model_agent import process_rss
+    from ..agent.agent import process_rss
 
     return process_rss()[0]
 

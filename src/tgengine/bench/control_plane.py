@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine.engine import Engine
     from .common import BenchSetup
 
 BUDGET_S = 1e-3

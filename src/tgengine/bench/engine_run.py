@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..sampling import SamplingParams
 from .common import BenchSetup
 from .workload import BenchRequest
@@ -200,8 +200,11 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
     restores them on exit. A helper that does not exist (renamed) is simply not timed.
     ``extra`` names more helpers to time: ``(module or class, attribute, name)``.
     """
-    from .. import detokenizer, model_agent, sampler, scheduler
+    from ..agent import agent as model_agent
+    from ..core import scheduler
     from ..models import llama, moe, self_attention
+    from ..sample import sampler
+    from ..tokenization import detokenizer
 
     profiler = StepProfiler()
     patches: list[tuple[Any, str, Any]] = []

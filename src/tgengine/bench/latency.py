@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..open_engine import open_engine
 from .common import BenchSetup, best_tgengine, tgengine_runs
 from .control_plane import compare, executor_timings, uni_setup, wants_comparison

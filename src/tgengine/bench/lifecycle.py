@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from .common import BenchSetup, rss_bytes
 from .engine_run import engine_config, greedy, warm_up
 from .workload import fixed_workload

@@ -13,8 +13,8 @@ from typing import Any
 import anyio
 import torch
 
+from ..agent.agent import process_rss
 from ..config import EngineConfig
-from ..model_agent import process_rss
 from ..open_engine import open_engine
 from ..sampling import SamplingParams
 

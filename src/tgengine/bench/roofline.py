@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_threads import fastest_thread_count
+from ..agent.cpu_threads import fastest_thread_count
 from ..models import ModelConfig
 from .workload import BenchRequest
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..open_engine import open_engine
 from ..sampling import SamplingParams
 from ..structured_outputs import StructuredOutputsParams
@@ -93,7 +93,7 @@ async def _decode(
 async def _tgengine(
     setup: BenchSetup, requests: list[BenchRequest], max_tokens: int
 ) -> dict[str, Any]:
-    from .. import engine_loop
+    from ..engine import loop as engine_loop
     from ..structured_outputs import grammar_mask
 
     extra = (

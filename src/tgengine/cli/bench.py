@@ -366,7 +366,7 @@ def _memory(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     from ..bench.memory import LLAMA_1B, run_memory, write_synthetic_1b
     from ..bench.peers import DEFAULT_THREADS, PeerSpecError
-    from ..default_model import cache_root
+    from ..runtime.disk_cache import cache_root
 
     if any(p.kind != "vllm" for p in args.peer):
         raise PeerSpecError("bench memory: only vllm peers (llama.cpp needs a GGUF of the model)")

@@ -92,7 +92,7 @@ def resolve_model(model: str | None) -> str:
     """The model directory to use: ``--model``, or the default model (converted on first use)."""
     if model:
         return model
-    from ..default_model import ensure_default_model
+    from .default_model import ensure_default_model
 
     return str(ensure_default_model(progress=True))
 

@@ -10,11 +10,11 @@ from functools import partial
 import anyio
 
 from ..config import EngineConfig
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..errors import TGEngineError
 from ..sampling import SamplingParams
 from ..state import EngineState
-from ..tokenizer import chat_prompt
+from ..tokenization.tokenizer import chat_prompt
 from .common import add_engine_options, engine_config, fail
 from .signals import stop_on_signals
 

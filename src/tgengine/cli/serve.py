@@ -12,8 +12,8 @@ import anyio
 import anyio.abc
 
 from ..config import EngineConfig
-from ..engine import Engine
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
+from ..engine.engine import Engine
 from ..errors import TGEngineError
 from ..process import EngineSupervisor, ProcessEngine, RestartPolicy
 from ..server.config import TOOL_CALL_PARSERS, ServerConfig

@@ -7,7 +7,7 @@ import sys
 
 import anyio
 
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
 
 
 async def stop_on_signals(engine: EngineClient, scope: anyio.CancelScope, grace: float) -> None:

@@ -34,7 +34,7 @@ def make_executor(config: EngineConfig, faults: FaultInjector | None = None) -> 
         from .mp_executor import MPExecutor
 
         return MPExecutor(config, faults)
-    from .ray_executor import RayExecutor  # the optional `ray` extra
+    from .ray_executor import RayExecutor
 
     return RayExecutor(config, faults)
 

@@ -7,8 +7,8 @@ from typing import Protocol
 import anyio.abc
 import torch
 
-from ..model_agent import AgentInfo, MemoryStats
-from ..step import StepBatch, StepResult
+from ..agent.agent import AgentInfo, MemoryStats
+from ..core.step import StepBatch, StepResult
 
 
 class Executor(Protocol):

@@ -20,26 +20,18 @@ import anyio.abc
 import torch
 
 from .._faults import FaultInjector
+from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
-from ..model_agent import AgentInfo, MemoryStats
+from ..core.step import StepBatch, StepResult
 from ..models import load_model_config
-from ..parallel import free_port
 from ..process.spawn import spawn_child
 from ..process.weights_file import remove_weights_dir, write_weights_dir
 from ..process.wire import Channel, encode
-from ..step import StepBatch, StepResult
+from ..runtime.parallel import free_port
 from .errors import WorkerError, WorkerExited, WorkerFailed
 from .mp_calls import Call, StepTimings
 from .mp_messages import Fatal, Loaded, Request, Response
-from .worker import (
-    CheckWeights,
-    Command,
-    Execute,
-    RankSpec,
-    Sleep,
-    UpdateWeights,
-    Wakeup,
-)
+from .worker import CheckWeights, Command, Execute, RankSpec, Sleep, UpdateWeights, Wakeup
 
 WORKER_MODULE = "tgengine.executor.mp_worker"
 EXIT_STATUS_WAIT = 0.5  # seconds to wait for a dead worker's exit status

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..model_agent import AgentInfo, MemoryStats
+from ..agent.agent import AgentInfo, MemoryStats
 from .worker import Command
 
 

@@ -19,12 +19,12 @@ import anyio
 import anyio.abc
 from anyio.abc import UNIXSocketStream
 
-from .._task_status import StartedOnce
-from ..model_agent import AgentInfo
+from ..agent.agent import AgentInfo
 from ..process.errors import portable
 from ..process.orphan import ParentWatch
 from ..process.spawn import child_args
 from ..process.wire import Channel
+from ..runtime.task_status import StartedOnce
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import Execute, RankSpec, RankWorker
 

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 import torch
 
-from ..model_agent import AgentInfo, MemoryStats
-from ..parallel import free_port
+from ..agent.agent import AgentInfo, MemoryStats
+from ..runtime.parallel import free_port
 from .worker import CheckWeights, Command, RankSpec, RankWorker, UpdateWeights
 
 # Ray options of a rank actor: never restarted, calls never retried (a lost rank is a fault).

@@ -23,10 +23,10 @@ import anyio.abc
 import torch
 
 from .._faults import FaultInjector
+from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
-from ..model_agent import AgentInfo, MemoryStats
+from ..core.step import StepBatch, StepResult
 from ..models import load_model_config
-from ..step import StepBatch, StepResult
 from . import ray_cluster
 from .errors import WorkerError, WorkerExited, WorkerFailed
 from .ray_actor import ACTOR_OPTIONS, RankActor

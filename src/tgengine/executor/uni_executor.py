@@ -7,9 +7,9 @@ import anyio.abc
 import torch
 
 from .._faults import FaultInjector
+from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
-from ..model_agent import AgentInfo, MemoryStats, ModelAgent
-from ..step import StepBatch, StepResult
+from ..core.step import StepBatch, StepResult
 
 
 class UniExecutor:

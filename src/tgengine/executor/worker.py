@@ -16,11 +16,11 @@ import anyio.abc
 import torch
 
 from .._faults import FaultInjector, FaultPlan
+from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
-from ..model_agent import AgentInfo, MemoryStats, ModelAgent
+from ..core.step import StepBatch, StepResult
 from ..models import ModelConfig, iter_safetensors
-from ..parallel import ParallelContext, destroy_distributed, init_distributed
-from ..step import StepBatch, StepResult
+from ..runtime.parallel import ParallelContext, destroy_distributed, init_distributed
 
 LEAVE_GROUP_TIMEOUT = 2.0  # seconds; a peer that died can wedge the group's teardown
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from tgengine.disk_cache import DiskCache
 from tgengine.models import architectures, rope_params
 from tgengine.models import config as config_module
 from tgengine.models.config import ModelConfig
+from tgengine.runtime.disk_cache import DiskCache
 
 FORMAT = 1  # bump when ModelConfig or its parsing changes meaning
 CACHE = DiskCache(

@@ -24,7 +24,7 @@ import torch
 
 from tgengine.models.config import ModelConfig
 from tgengine.models.parallel_layers import local_kv_heads
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 @dataclass

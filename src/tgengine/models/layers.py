@@ -9,7 +9,7 @@ from torch import nn
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.kernels import elementwise
 from tgengine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 class RMSNorm(nn.Module):

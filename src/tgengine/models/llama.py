@@ -34,7 +34,7 @@ from tgengine.models.parallel_layers import (
 )
 from tgengine.models.rope import RotaryEmbedding
 from tgengine.models.self_attention import Attention, StepContext
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ from tgengine.models.config import ModelConfig, resolve_dtype
 from tgengine.models.llama import CausalLM
 from tgengine.models.safetensors_reader import StoredTensor, stored_tensors
 from tgengine.models.shard import Shard
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

@@ -15,7 +15,7 @@ from torch import nn
 from tgengine.models.config import MoEConfig
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.layers import MLP
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 class SparseMoE(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 from tgengine.models.config import ModelConfig
 from tgengine.models.gemm import LinearWeights, Panels
 from tgengine.models.shard import Shard, padded_split, split_units, whole
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 class _LoadedNotInitialised:

@@ -27,7 +27,7 @@ from tgengine.models.parallel_layers import (
     local_kv_heads,
 )
 from tgengine.models.rope import apply_rotary
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tgengine.models.safetensors_reader import StoredTensor
-from tgengine.parallel import ParallelContext
+from tgengine.runtime.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..admission import check_token_ids, encode_prompt
+from ..engine.admission import check_token_ids, encode_prompt
 from ..sampling import SamplingParams
 from ..structured_outputs.grammars import Grammars
 

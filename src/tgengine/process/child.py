@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import UNIXSocketStream
 
 from .._faults import FaultInjector
-from ..engine import Engine
+from ..engine.engine import Engine
 from .host import EngineHost
 from .messages import Setup
 from .spawn import child_args

@@ -18,15 +18,15 @@ import anyio
 import anyio.abc
 
 from .._faults import FaultInjector
-from .._groups import root_cause
+from ..agent.agent import MemoryStats
 from ..config import EngineConfig
+from ..engine.request_stats import EngineObserver
 from ..errors import EngineDeadError, EngineStoppedError, IllegalStateError
-from ..model_agent import MemoryStats
-from ..request_stats import EngineObserver
+from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats
-from ..tokenizer import load_tokenizer
+from ..tokenization.tokenizer import load_tokenizer
 from .admission import Admission
 from .connection import Connection
 from .errors import EngineProcessExited, describe_status

@@ -15,12 +15,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._task_status import StartedOnce
-from ..engine import Engine
+from ..agent.agent import MemoryStats
+from ..engine.engine import Engine
+from ..engine.request_stats import RequestStats
+from ..engine.stream import RequestStream
 from ..errors import EngineDeadError, TGEngineError
-from ..model_agent import MemoryStats
-from ..request_stats import RequestStats
-from ..stream import RequestStream
+from ..runtime.task_status import StartedOnce
 from .errors import portable
 from .messages import (
     CONTROL_METHODS,

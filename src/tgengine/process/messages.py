@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._faults import FaultPlan
+from ..agent.agent import MemoryStats
 from ..config import EngineConfig
-from ..model_agent import MemoryStats
+from ..engine.request_stats import RequestStats
 from ..outputs import RequestOutput
-from ..request_stats import RequestStats
 from ..sampling import SamplingParams
 from ..state import EngineState
 from ..stats import EngineStats

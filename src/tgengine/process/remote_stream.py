@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..engine.stream import ChunkStream
 from ..outputs import FinishReason, RequestOutput
-from ..stream import ChunkStream
 
 
 @dataclass(eq=False)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 
-from .._groups import root_cause
+from ..agent.agent import MemoryStats
 from ..config import EngineConfig
-from ..engine_client import EngineClient, OutputStream
+from ..engine.client import EngineClient, OutputStream
+from ..engine.request_stats import EngineObserver
 from ..errors import EngineDeadError
-from ..model_agent import MemoryStats
-from ..request_stats import EngineObserver
+from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
 from ..stats import EngineStats

@@ -17,12 +17,7 @@ from ..errors import EngineSleepingError, IllegalStateError
 from ..state import MEMORY_TAGS, EngineState
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
-from .protocol import (
-    EngineStateResponse,
-    ErrorResponse,
-    IsSleepingResponse,
-    UpdateWeightsRequest,
-)
+from .protocol import EngineStateResponse, ErrorResponse, IsSleepingResponse, UpdateWeightsRequest
 
 ADMIN_PATHS = ("/sleep", "/wakeup", "/is_sleeping", "/pause", "/resume", "/update_weights")
 GONE = (EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD)

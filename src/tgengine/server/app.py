@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
 from .admin_routes import ADMIN_PATHS, admin_router
 from .config import ServerConfig
 from .context import ServerContext

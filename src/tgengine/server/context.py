@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
 from .config import ServerConfig
 from .health import HealthMonitor
 from .metrics import ServerMetrics

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ..engine_client import EngineClient, OutputStream
+from ..engine.client import EngineClient, OutputStream
 from ..errors import InvalidRequestError, TGEngineError
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams

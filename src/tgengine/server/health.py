@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
 from ..state import EngineState
 from .protocol import HealthResponse
 

@@ -10,7 +10,7 @@ from typing import TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ..engine_client import OutputStream
+from ..engine.client import OutputStream
 from ..outputs import RequestOutput
 
 K = TypeVar("K")

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine_client import EngineClient
-from ..request_stats import RequestStats
+from ..engine.client import EngineClient
+from ..engine.request_stats import RequestStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")

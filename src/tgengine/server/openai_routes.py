@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from ..sampling import SamplingParams
 from ..structured_outputs import StructuredOutputsParams
-from ..tokenizer import chat_prompt
+from ..tokenization.tokenizer import chat_prompt
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
 from .formatting import ChatFormatter, CompletionFormatter, Formatter

@@ -12,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.utils import wrap_app
 
-from ..engine_client import EngineClient
+from ..engine.client import EngineClient
 from .app import create_app
 from .config import ServerConfig
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..tokenizer import chat_prompt
+from ..tokenization.tokenizer import chat_prompt
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
 from .protocol import ChatMessage, ErrorResponse, StrictModel

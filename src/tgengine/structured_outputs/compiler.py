@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from ..errors import InvalidRequestError
-from ..fast_tokenizer import pipeline_json
+from ..tokenization.fast_tokenizer import pipeline_json
 from .matcher import GrammarMatcher
 from .params import FIELD, StructuredOutputsParams
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 import anyio
 from anyio.abc import Process
 
-from ...openmp_policy import user_environ
+from ...runtime.openmp_policy import user_environ
 from .spec import DEFAULT_THREADS, PeerRunError, PeerSpec, log_tail
 
 _STOP_GRACE_S = 10.0

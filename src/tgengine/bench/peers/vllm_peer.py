@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ...openmp_policy import user_environ
+from ...runtime.openmp_policy import user_environ
 from .spec import PeerRunError, PeerSpec, Threads, log_tail
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")

@@ -66,7 +66,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    from tgengine.default_model import cache_root
+    from tgengine.runtime.disk_cache import cache_root
 
     return cache_root() / "kernels"
 

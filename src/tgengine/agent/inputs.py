@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .models import ForwardInputs, PrefillSpan
-from .step import SeqStep
+from ..core.step import SeqStep
+from ..models import ForwardInputs, PrefillSpan
 
 
 def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -> ForwardInputs:

@@ -9,7 +9,7 @@ parameters sees exactly the model's logits.
 
 from __future__ import annotations
 
-from ..structured_outputs.grammar_mask import GrammarMask
+from ...structured_outputs.grammar_mask import GrammarMask
 from .base import LogitsProcessor, SamplingRow, apply_processors
 from .logit_bias import LogitBias
 from .min_tokens import MinTokens

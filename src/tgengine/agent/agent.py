@@ -16,13 +16,11 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from ._faults import FaultInjector
-from .config import EngineConfig
-from .cpu_threads import available_cores, default_thread_count
-from .errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
-from .logits_processors import default_processors
-from .model_inputs import prepare_inputs
-from .models import (
+from .._faults import FaultInjector
+from ..config import EngineConfig
+from ..core.step import SeqStep, StepBatch, StepResult
+from ..errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
+from ..models import (
     CausalLM,
     KVCache,
     ModelConfig,
@@ -34,12 +32,14 @@ from .models import (
     resolve_dtype,
     weight_specs,
 )
-from .models.gemm import can_pack_panels
-from .models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
-from .parallel import ParallelContext, local_cuda
-from .sampler import Sampler
-from .step import SeqStep, StepBatch, StepResult
-from .step_sampler import sample_step
+from ..models.gemm import can_pack_panels
+from ..models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
+from ..runtime.parallel import ParallelContext, local_cuda
+from ..sample.logits_processors import default_processors
+from ..sample.sampler import Sampler
+from ..sample.step_sampler import sample_step
+from .cpu_threads import available_cores, default_thread_count
+from .inputs import prepare_inputs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

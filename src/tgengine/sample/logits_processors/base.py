@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..sampling import SamplingParams
+from ...sampling import SamplingParams
 
 
 @dataclass(frozen=True)

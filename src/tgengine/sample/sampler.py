@@ -19,14 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .logits_processors import (
-    LogitsProcessor,
-    SamplingRow,
-    apply_processors,
-    default_processors,
-)
+from ..models import kernels
+from .logits_processors import LogitsProcessor, SamplingRow, apply_processors, default_processors
 from .logprobs import TokenLogprobs, token_logprobs
-from .models import kernels
 
 __all__ = ["SampleResult", "Sampler", "SamplingRow"]
 

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
+from ..core.step import PromptLogprobs, SeqStep, StepResult, TokenInfo
 from .logits_processors import SamplingRow
 from .logprobs import token_logprobs
 from .sampler import Sampler
-from .step import PromptLogprobs, SeqStep, StepResult, TokenInfo
 
 
 def sample_step(

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import anyio
 import anyio.abc
 
-from .config import EngineConfig
-from .outputs import RequestOutput
-from .sampling import SamplingParams
-from .state import MEMORY_TAGS, EngineState
-from .stats import EngineStats
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from ..state import MEMORY_TAGS, EngineState
+from ..stats import EngineStats
 
 if TYPE_CHECKING:
     import torch
 
-    from .model_agent import MemoryStats
+    from ..agent.agent import MemoryStats
     from .request_stats import EngineObserver
 
 

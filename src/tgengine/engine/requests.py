@@ -14,12 +14,12 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .detokenizer import IncrementalDetokenizer
-from .outputs import FinishReason, RequestOutput
-from .sampling import SamplingParams
-from .sequence import Sequence
-from .step import PromptLogprobs, StepResult, TokenInfo
-from .structured_outputs.matcher import GrammarMatcher
+from ..core.sequence import Sequence
+from ..core.step import PromptLogprobs, StepResult, TokenInfo
+from ..outputs import FinishReason, RequestOutput
+from ..sampling import SamplingParams
+from ..structured_outputs.matcher import GrammarMatcher
+from ..tokenization.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False)

@@ -36,6 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tgengine.errors import ModelLoadError
+from tgengine.runtime.disk_cache import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -54,11 +55,6 @@ def default_model_dir() -> Path:
     else ``~/.cache/tgengine/SmolLM2-135M-Instruct``.
     """
     return cache_root() / DEFAULT_MODEL_NAME
-
-
-def cache_root() -> Path:
-    """``$TGENGINE_CACHE`` when set and non-empty, else ``~/.cache/tgengine``."""
-    return Path(os.environ.get("TGENGINE_CACHE") or "~/.cache/tgengine").expanduser()
 
 
 def is_converted(model_dir: Path) -> bool:

@@ -12,12 +12,11 @@ import anyio
 import anyio.abc
 import torch
 
-from ._faults import FaultInjector
-from ._groups import root_cause
-from .admission import check_token_ids, encode_prompt
-from .config import EngineConfig
-from .engine_loop import EngineLoop
-from .errors import (
+from .._faults import FaultInjector
+from ..agent.agent import MemoryStats
+from ..config import EngineConfig
+from ..core.scheduler import Scheduler
+from ..errors import (
     EngineDeadError,
     EnginePausedError,
     EngineSleepingError,
@@ -25,19 +24,20 @@ from .errors import (
     IllegalStateError,
     InvalidRequestError,
 )
-from .executor import make_executor
-from .model_agent import MemoryStats
-from .models import iter_safetensors
-from .outputs import FinishReason, RequestOutput
+from ..executor import make_executor
+from ..models import iter_safetensors
+from ..outputs import FinishReason, RequestOutput
+from ..runtime.groups import root_cause
+from ..sampling import SamplingParams
+from ..state import MEMORY_TAGS, EngineState
+from ..stats import Counters, EngineStats
+from ..structured_outputs.grammars import Grammars
+from ..tokenization.tokenizer import load_tokenizer
+from .admission import check_token_ids, encode_prompt
+from .loop import EngineLoop
 from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker, new_requests
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .state import MEMORY_TAGS, EngineState
-from .stats import Counters, EngineStats
 from .stream import RequestStream
-from .structured_outputs.grammars import Grammars
-from .tokenizer import load_tokenizer
 
 PauseMode = Literal["abort", "drain", "keep"]
 S = EngineState

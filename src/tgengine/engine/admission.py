@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidRequestError
-from .sampling import SamplingParams
+from ..errors import InvalidRequestError
+from ..sampling import SamplingParams
 
 
 def encode_prompt(

@@ -24,10 +24,10 @@ from typing import Any
 
 import tokenizers
 
+from ..runtime.disk_cache import DiskCache
 from . import chat_template as chat_template_module
 from . import fast_tokenizer as fast_tokenizer_module
 from .chat_template import has_generation_tag
-from .disk_cache import DiskCache
 
 FORMAT = 1  # bump when TokenizerFacts or the checks change meaning
 # Everything AutoTokenizer reads to choose and build a tokenizer (config.json: the model type).

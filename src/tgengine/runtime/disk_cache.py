@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
+    """``$TGENGINE_CACHE`` when set and non-empty, else ``~/.cache/tgengine``: where the
+    converted default model, the compiled kernels and every ``DiskCache`` live."""
     return Path(os.environ.get("TGENGINE_CACHE") or "~/.cache/tgengine").expanduser()
 
 

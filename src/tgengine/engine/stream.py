@@ -9,7 +9,7 @@ from typing import Self
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .outputs import RequestOutput
+from ..outputs import RequestOutput
 from .requests import Request
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import tokenizers
 
+from ..config import TOKENIZER_MODES
+from ..errors import ModelLoadError
 from . import tokenizer_facts
-from .config import TOKENIZER_MODES
-from .errors import ModelLoadError
 from .fast_tokenizer import FastTokenizer
 
 

@@ -8,14 +8,14 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from .config import EngineConfig
-from .executor import Executor
-from .model_agent import AgentInfo
+from ..agent.agent import AgentInfo
+from ..config import EngineConfig
+from ..core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from ..core.sequence import Sequence
+from ..core.step import SeqStep, StepBatch
+from ..executor import Executor
+from ..structured_outputs.bitmasks import BitmaskJob, fill_bitmasks
 from .requests import Request, RequestTracker
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from .sequence import Sequence
-from .step import SeqStep, StepBatch
-from .structured_outputs.bitmasks import BitmaskJob, fill_bitmasks
 
 
 class StepTimeoutError(TimeoutError):

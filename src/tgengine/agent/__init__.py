@@ -1,0 +1,1 @@
+"""The model agent: one rank's model, KV cache and sampler, its inputs, memory and threads."""

@@ -1,0 +1,1 @@
+"""The engine: ``Engine``, its step loop, requests and their streams, admission."""

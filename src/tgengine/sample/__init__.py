@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler, logits processors and log probabilities."""

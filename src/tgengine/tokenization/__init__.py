@@ -1,0 +1,1 @@
+"""Tokenization: loading a tokenizer, chat templates and incremental detokenization."""
