@@ -30,7 +30,7 @@ BOTH_BACKENDS = (
     "distributed.md",
     "cli.md",
 )
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 
 if os.environ.get("TGENGINE_DOCS_BACKENDS"):
@@ -49,7 +49,7 @@ if os.environ.get("TGENGINE_DOCS_BACKENDS"):
         return _run(recorded, *args, **kwargs)
 
     anyio.run = run
-'''
+"""
 
 
 def examples() -> list[tuple[str, str]]:
