@@ -93,6 +93,13 @@ def test_examples_are_found() -> None:
     assert set(BOTH_BACKENDS) <= pages, set(BOTH_BACKENDS) - pages
 
 
+def test_notes_readme_lists_every_note() -> None:
+    notes = ROOT / "docs" / "notes"
+    listed = (notes / "README.md").read_text()
+    files = sorted(p.name for p in notes.glob("*.md") if p.name != "README.md")
+    assert files and all(f"]({name})" in listed for name in files), files
+
+
 @pytest.mark.parametrize(("name", "code"), examples(), ids=[n for n, _ in examples()])
 def test_docs_example_runs(name: str, code: str, tiny_llama_dir: Path, hooks: Path) -> None:
     assert run_example(name, code, tiny_llama_dir, hooks), f"{name} ran no anyio.run"
