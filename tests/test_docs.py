@@ -29,6 +29,7 @@ BOTH_BACKENDS = (
     "quantization.md",
     "distributed.md",
     "cli.md",
+    "server.md",
 )
 SITECUSTOMIZE = """
 import os
