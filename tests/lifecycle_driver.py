@@ -128,7 +128,7 @@ class EngineDriver:
         steps = self.faults.num_steps
         for victim, since in list(self.cache_victims.items()):
             armed = self.armed_victims.pop(victim, None)
-            seq = scheduler.get(victim)
+            seq = scheduled(scheduler, victim)
             if armed is not None and armed[0] == steps and seq is not None:
                 # a victim that computed tokens in its fault's step (not preempted since)
                 # ran that step undisturbed: the fault must have ended it instead
@@ -299,7 +299,7 @@ class EngineDriver:
         for req in members:
             if tracker is not None and tracker.get(req.request_id) is not None:
                 return False
-            if scheduler is not None and scheduler.get(req.request_id) is not None:
+            if scheduler is not None and scheduled(scheduler, req.request_id) is not None:
                 return False
         return True
 
@@ -379,11 +379,12 @@ class EngineDriver:
         kept = set(tracker.groups) | set(tracker._members)
         if kept - public:  # nothing of an ended request stays behind
             return [f"the tracker still keeps ended requests: {sorted(kept - public, key=str)}"]
-        scheduled = {i for i in live if scheduler.get(i) is not None}
-        if serving and live - scheduled:
-            return [f"serving, yet not scheduled (still held?): {sorted(live - scheduled)}"]
-        if not serving and held & scheduled:
-            return [f"held, yet scheduled before the engine serves: {sorted(held & scheduled)}"]
+        in_queues = {seq.seq_id for seq in [*scheduler.running, *scheduler.waiting]}
+        queued = live & in_queues
+        if serving and live - queued:
+            return [f"serving, yet not scheduled (still held?): {sorted(live - queued)}"]
+        if not serving and held & queued:
+            return [f"held, yet scheduled before the engine serves: {sorted(held & queued)}"]
         return []
 
     def stepping_problems(self, can_step: bool) -> list[str]:
@@ -434,7 +435,7 @@ class EngineDriver:
             prefix = (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total)
             if prefix != (bm.num_queried_tokens, bm.num_hit_tokens):
                 problems.append(f"prefix cache stats {prefix} != the block manager's")
-            if (stats.num_running, stats.num_waiting - len(self.engine._held)) != (
+            if (stats.num_running, stats.num_waiting - len(self.engine._loop.tracker.held)) != (
                 len(scheduler.running),
                 len(scheduler.waiting),
             ):
@@ -553,12 +554,20 @@ def follower_problems(scheduler: Any, before: dict[str, int]) -> list[str]:
         base, sep, index = seq.seq_id.rpartition("#")
         if not sep or index == "0" or seq.seq_id in before:
             continue
-        leader = scheduler.get(f"{base}#0")
+        leader = scheduled(scheduler, f"{base}#0")
         if leader is None or leader.is_finished:
             continue
         if before.get(leader.seq_id, 0) < leader.num_prompt_tokens:
             problems.append(f"{seq.seq_id} was admitted before its leader computed the prompt")
     return problems
+
+
+def scheduled(scheduler: Any, seq_id: str) -> Any:
+    """The sequence ``seq_id`` if the scheduler holds it (running or waiting), else None."""
+    for seq in [*scheduler.running, *scheduler.waiting]:
+        if seq.seq_id == seq_id:
+            return seq
+    return None
 
 
 def unreachable_prefixes(bm: Any) -> list[tuple[int, ...]]:

@@ -156,7 +156,7 @@ async def reject_grammar(engine: Any, request_id: str) -> bool:
     its count of consumed tokens (taken while that thread consumed a token, the count is
     one short: the next step replays that token into the shared state, which rejects it
     with a parser error instead of the injected fault)."""
-    async with engine._loop.step_lock:
+    async with engine._loop.between_steps():
         tracker = engine._loop.tracker
         request = tracker.get(request_id) if tracker is not None else None
         if request is None or request.grammar is None:

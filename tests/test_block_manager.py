@@ -13,8 +13,8 @@ def make_seq(seq_id: str, token_ids: list[int]) -> Sequence:
 
 def compute_all(manager: BlockManager, seq: Sequence) -> None:
     """What the scheduler does once a sequence's tokens are all computed."""
-    seq.num_computed_tokens = seq.num_tokens
-    manager.mark_computed(seq)
+    manager.mark_computed(seq, seq.num_uncomputed_tokens)
+    assert seq.num_computed_tokens == seq.num_tokens
 
 
 def test_allocate_counts_blocks_and_deallocate_frees_them() -> None:

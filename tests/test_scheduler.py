@@ -55,10 +55,15 @@ def make_seq(seq_id: str, num_tokens: int, first: int = 0) -> Sequence:
 def step(scheduler: Scheduler, max_new: dict[str, int] | None = None) -> ScheduledBatch:
     """One engine step with the fake model; finishes sequences that reach ``max_new``."""
     batch = scheduler.schedule()
-    scheduler.update_after_step(batch)
-    for i, seq in enumerate(batch.seqs):
-        if batch.needs_sample(i) and not seq.is_finished:
-            seq.append_token(fake_next_token(seq.token_ids))
+    sampled = {
+        seq.seq_id: fake_next_token(seq.token_ids)
+        for i, seq in enumerate(batch.seqs)
+        if batch.needs_sample(i) and not seq.is_finished
+    }
+    scheduler.update_after_step(batch, sampled)
+    for seq in batch.seqs:
+        if seq.seq_id in sampled:
+            assert seq.token_ids[-1] == sampled[seq.seq_id]
             if max_new is not None and seq.num_completion_tokens >= max_new[seq.seq_id]:
                 scheduler.finish(seq)
     return batch
@@ -210,14 +215,14 @@ def test_abort_frees_blocks_and_is_idempotent() -> None:
     scheduler.add(b)
     batch = scheduler.schedule()
     assert scheduler.num_free_blocks == 3
-    assert scheduler.abort("a") is a
+    scheduler.finish(a)
     assert a.is_finished and a.block_table == []
     assert scheduler.num_free_blocks == 6
-    scheduler.update_after_step(batch)  # a finished while the step ran: skipped
-    assert a.num_computed_tokens == 0
-    assert b.num_computed_tokens == 5
-    assert scheduler.abort("a") is None
-    scheduler.finish(a)
+    scheduler.update_after_step(batch, {"a": 7, "b": 7})  # a finished while the step ran: skipped
+    assert a.num_computed_tokens == 0 and a.num_tokens == 9
+    assert b.num_computed_tokens == 5 and b.token_ids[-1] == 7
+    scheduler.finish(a)  # idempotent
+    assert scheduler.num_free_blocks == 6
     scheduler.block_manager.check_invariants()
     assert scheduler.abort_all() == [b]
     assert scheduler.num_free_blocks == 8
@@ -227,18 +232,35 @@ def test_abort_frees_blocks_and_is_idempotent() -> None:
 def test_abort_a_waiting_sequence() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.add(make_seq("a", 3))
-    scheduler.add(make_seq("b", 3))
+    b = make_seq("b", 3)
+    scheduler.add(b)
     scheduler.schedule()
-    b = scheduler.abort("b")
-    assert b is not None and b.status is SequenceStatus.FINISHED
+    scheduler.finish(b)
+    assert b.status is SequenceStatus.FINISHED
     assert scheduler.num_waiting == 0
 
 
-def test_add_rejects_duplicates_and_empty_prompts() -> None:
+def test_finish_rejects_a_sequence_never_added() -> None:
     scheduler = make_scheduler()
-    scheduler.add(make_seq("a", 3))
+    with pytest.raises(ValueError, match="not in this scheduler"):
+        scheduler.finish(make_seq("a", 3))
+
+
+def test_add_rejects_a_sequence_twice_and_empty_prompts() -> None:
+    """A duplicate id is the request tracker's to refuse (the one registry of ids); the
+    scheduler refuses a sequence it was given already, queued, running or finished."""
+    scheduler = make_scheduler()
+    a = make_seq("a", 3)
+    scheduler.add(a)
     with pytest.raises(ValueError):
-        scheduler.add(make_seq("a", 3))
+        scheduler.add(a)
+    step(scheduler)
+    assert a.status is SequenceStatus.RUNNING
+    with pytest.raises(ValueError):
+        scheduler.add(a)
+    scheduler.finish(a)
+    with pytest.raises(ValueError):
+        scheduler.add(a)
     with pytest.raises(ValueError):
         scheduler.add(Sequence("empty", []))
 
@@ -430,12 +452,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         return 0 if self.window is None else max(0, position - self.window + 1)
 
     def _finish_step(self, batch: ScheduledBatch) -> None:
-        self.scheduler.update_after_step(batch)
-        for i, seq in enumerate(batch.seqs):
-            if seq.is_finished or not batch.needs_sample(i):
+        sampled = {
+            seq.seq_id: fake_next_token(seq.token_ids)
+            for i, seq in enumerate(batch.seqs)
+            if not seq.is_finished and batch.needs_sample(i)
+        }
+        self.scheduler.update_after_step(batch, sampled)
+        for seq in batch.seqs:
+            if seq.seq_id not in sampled:
                 continue
-            assert seq.num_computed_tokens == seq.num_tokens
-            seq.append_token(fake_next_token(seq.token_ids))
+            # every token computed before the sampled one, which the scheduler appended
+            assert seq.num_computed_tokens == seq.num_tokens - 1
+            assert seq.token_ids[-1] == sampled[seq.seq_id]
             max_new = self.max_new[seq.seq_id]
             if seq.num_completion_tokens >= max_new:
                 prompt = seq.token_ids[: seq.num_prompt_tokens]
@@ -444,9 +472,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 del self.live[seq.seq_id]
 
     def _abort(self, seq_id: str) -> None:
-        seq = self.scheduler.abort(seq_id)
-        assert seq is not None and seq.is_finished and seq.block_table == []
-        assert self.scheduler.abort(seq_id) is None
+        seq = self.live[seq_id]
+        self.scheduler.finish(seq)
+        assert seq.is_finished and seq.block_table == []
+        self.scheduler.finish(seq)  # idempotent
+        assert seq not in self.scheduler.running and seq not in self.scheduler.waiting
         del self.live[seq_id]
 
 
@@ -464,9 +494,8 @@ def test_a_long_decode_holds_only_the_window(window: int | None, max_held: int) 
     while seq.num_tokens < 64:
         batch = scheduler.schedule()
         peak = max(peak, scheduler.block_manager.num_used_blocks)
-        scheduler.update_after_step(batch)
+        scheduler.update_after_step(batch, {"a": fake_next_token(seq.token_ids)})
         scheduler.block_manager.check_invariants()
-        seq.append_token(fake_next_token(seq.token_ids))
     # ceil(window / block_size) blocks, plus one when the window straddles a block boundary.
     assert peak == max_held
     assert seq.num_released_blocks == (0 if window is None else 14)

@@ -28,7 +28,7 @@ class EngineStats:
 
 @dataclass
 class Counters:
-    """Running totals, updated by the request tracker's hooks."""
+    """Running totals, kept by the request tracker."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0

@@ -123,8 +123,10 @@ class BlockManager:
         for _ in range(num_missing):
             seq.block_table.append(self._take_free())
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """Register every block of ``seq`` that is now full and computed in the prefix cache."""
+    def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Count ``num_new_tokens`` more tokens of ``seq`` as computed; register every block
+        that is now full and computed in the prefix cache."""
+        seq.num_computed_tokens += num_new_tokens
         if not self.enable_prefix_caching:
             return
         size = self._block_size

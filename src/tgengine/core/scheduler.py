@@ -1,13 +1,15 @@
 """``Scheduler``: continuous batching under a token budget, chunked prefill, preemption.
 
 Plain Python: no torch, no anyio. One step is ``schedule()`` → the model computes the batch →
-``update_after_step(batch)`` → the engine appends the sampled tokens and calls ``finish``.
+``update_after_step(batch, sampled)`` (the computed tokens counted, the sampled ones appended)
+→ the engine ends the requests that are done with ``finish``. The scheduler holds queues, not
+a registry: which ids are admitted is the request tracker's to know.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -85,7 +87,6 @@ class Scheduler:
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._seqs: dict[str, Sequence] = {}
 
     @property
     def num_running(self) -> int:
@@ -114,20 +115,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def get(self, seq_id: str) -> Sequence | None:
-        return self._seqs.get(seq_id)
-
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` at the back of ``waiting``."""
-        if seq.seq_id in self._seqs:
-            raise ValueError(f"seq_id: {seq.seq_id!r} is already scheduled")
+        """Queue ``seq``, a new sequence, at the back of ``waiting``."""
         if not seq.token_ids:
             raise ValueError(f"token_ids: sequence {seq.seq_id!r} has no tokens")
-        if seq.is_finished or seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id!r} is finished or already holds blocks")
+        if seq.status is not SequenceStatus.NEW or seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id!r} was added already or holds blocks")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self._seqs[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts within ``max_num_batched_tokens``."""
@@ -138,42 +133,46 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         return batch
 
-    def update_after_step(self, batch: ScheduledBatch, failed: Collection[str] = ()) -> None:
-        """Count the batch's tokens as computed; register newly full blocks for prefix hits.
+    def update_after_step(
+        self,
+        batch: ScheduledBatch,
+        sampled: Mapping[str, int] | None = None,
+        failed: Collection[str] = (),
+    ) -> None:
+        """Count the batch's tokens as computed; register newly full blocks for prefix hits;
+        append each sequence's ``sampled`` token (``{seq_id: token}``).
 
         With ``sliding_window`` set, blocks that fell out of the window are then released.
 
         Sequences finished (aborted) while the step ran are skipped, and so are the ``failed``
         ones (ids whose step did not compute their KV): their blocks must never be hit.
         """
+        sampled = sampled or {}
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in failed:
                 continue
-            seq.num_computed_tokens += num_new_tokens
-            self.block_manager.mark_computed(seq)
+            self.block_manager.mark_computed(seq, num_new_tokens)
             if self.config.sliding_window is not None:
                 self.block_manager.release_out_of_window(seq, self.config.sliding_window)
+            token = sampled.get(seq.seq_id)
+            if token is not None:
+                seq.append_token(token)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove ``seq`` from its queue and free its blocks. Idempotent."""
+        """Remove ``seq`` from its queue and free its blocks. Idempotent.
+
+        Raises ``ValueError`` for a sequence that was never added.
+        """
         if seq.is_finished:
             return
-        if self._seqs.get(seq.seq_id) is not seq:
+        if seq.status is SequenceStatus.NEW:
             raise ValueError(f"sequence {seq.seq_id!r} is not in this scheduler")
-        del self._seqs[seq.seq_id]
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-
-    def abort(self, seq_id: str) -> Sequence | None:
-        """Finish the sequence ``seq_id``; return it, or None if no such sequence is live."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None:
-            self.finish(seq)
-        return seq
 
     def abort_all(self) -> list[Sequence]:
         """Finish every running and waiting sequence; return them."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 
 class SequenceStatus(enum.Enum):
+    NEW = "new"  # not given to a scheduler yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -29,12 +30,17 @@ class Sequence:
     only once the leader's prompt is computed, so that it reuses the leader's cached
     blocks instead of computing the prompt again. ``reuse_cached_prefix=False`` computes
     every prompt position (their log probabilities are wanted).
+
+    One writer per field, all in ``core/``: the scheduler writes ``token_ids`` (the sampled
+    tokens), ``status`` and ``num_preemptions``; its block manager writes the KV fields
+    (``num_computed_tokens``, ``num_cached_tokens``, ``block_table``, ``block_hashes``,
+    ``num_released_blocks``). Everyone else reads.
     """
 
     seq_id: str
     token_ids: list[int]
     num_prompt_tokens: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: SequenceStatus = SequenceStatus.NEW
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -13,9 +13,8 @@ import anyio.abc
 import torch
 
 from .._faults import FaultInjector
-from ..agent.agent import MemoryStats
+from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
-from ..core.scheduler import Scheduler
 from ..errors import (
     EngineDeadError,
     EnginePausedError,
@@ -24,19 +23,19 @@ from ..errors import (
     IllegalStateError,
     InvalidRequestError,
 )
-from ..executor import make_executor
+from ..executor import Executor, make_executor
 from ..models import iter_safetensors
 from ..outputs import FinishReason, RequestOutput
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
-from ..stats import Counters, EngineStats
+from ..stats import EngineStats
 from ..structured_outputs.grammars import Grammars
 from ..tokenization.tokenizer import load_tokenizer
 from .admission import check_token_ids, encode_prompt
 from .loop import EngineLoop
-from .request_stats import EngineObserver, request_stats
-from .requests import Request, RequestTracker, new_requests
+from .request_stats import EngineObserver
+from .requests import new_requests
 from .stream import RequestStream
 
 PauseMode = Literal["abort", "drain", "keep"]
@@ -52,18 +51,14 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, _faults: FaultInjector | None = None) -> None:
         self.config = config
-        self._executor = make_executor(config, _faults)
-        self._loop = EngineLoop(
-            config, self._executor, self._can_step, lambda: self._weight_version, self._die
-        )
+        self._loop = EngineLoop(config, make_executor(config, _faults), _LoopOwner(self))
+        self._info: AgentInfo | None = None  # what the loop started with
         self._state = S.STARTING
         self._run_called = False
         self._sleeping_tags: set[str] = set()
         self._resume_state = S.RUNNING
         self._pause_mode: PauseMode | None = None
         self._draining = False
-        self._held: list[Request] = []
-        self._weight_version = 0
         self._tokenizer: Any = None
         self._grammars: Grammars | None = None  # once the tokenizer and the model are known
         self._control_lock = anyio.Lock()
@@ -71,8 +66,6 @@ class Engine:
         self._stop_grace = 0.0
         self._cause: BaseException | None = None
         self._ids = itertools.count()
-        self._counters = Counters()
-        self.observers: list[EngineObserver] = []  # told of finished requests and steps
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -94,14 +87,13 @@ class Engine:
                 # The thread count is measured on a quiet process; then the tokenizer (mostly
                 # transformers' imports, GIL-bound) loads while the weights do (mostly I/O
                 # and copies, which release the GIL).
-                await anyio.to_thread.run_sync(self._loop.executor.prepare)
+                await self._loop.prepare()
                 tokenizer_loaded = anyio.Event()
                 tg.start_soon(self._load_tokenizer, tokenizer_loaded)
-                await tg.start(self._loop.run)
+                self._info = await tg.start(self._loop.run)
                 await tokenizer_loaded.wait()
                 mc = self.model_config
                 self._grammars = Grammars(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
-                self._attach_hooks()
                 if self._state is S.STARTING:
                     self._state = S.RUNNING
                 task_status.started()
@@ -136,8 +128,7 @@ class Engine:
             return
         self._stop_grace = max(0.0, grace)
         self._state = S.STOPPING
-        for request in list(self._held):
-            self._finish(request, "abort")
+        self._loop.finish_held("abort")
         self._stop_event.set()
         self._loop.notify()
 
@@ -149,10 +140,7 @@ class Engine:
         self._end_all("error", error=f"engine died: {type(cause).__name__}: {cause}")
 
     def _end_all(self, reason: FinishReason, error: str | None = None) -> None:
-        tracker = self._loop.tracker
-        for request in list(tracker.requests.values()) if tracker else []:
-            self._finish(request, reason, error=error)
-        self._held.clear()
+        self._loop.finish_all(reason, error)
 
     def _can_step(self) -> bool:
         if self._sleeping_tags:
@@ -181,35 +169,26 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None
     ) -> RequestStream:
         self._check_admission()
-        tracker = self._loop.tracker
-        assert tracker is not None
         vocab_size = self.model_config.vocab_size
         token_ids = encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
         check_token_ids(params, vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif tracker.is_in_use(request_id):
+        elif self._loop.is_in_use(request_id):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         assert self._grammars is not None
         grammar = self._grammars.matcher(params.structured_outputs)
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
         requests = new_requests(request_id, token_ids, params, self._tokenizer, send)
-        if any(tracker.is_in_use(r.request_id) for r in requests):
+        if any(self._loop.is_in_use(r.request_id) for r in requests):
             receive.close()
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         for request in requests:
             if request.index > 0:
                 grammar = self._grammars.matcher(params.structured_outputs)
             request.grammar = grammar
-            tracker.add(request)
-        self._counters.prompt_tokens += len(token_ids)
-        if self._state is S.RUNNING:
-            for request in requests:
-                self._scheduler.add(request.seq)
-            self._loop.notify()
-        else:
-            self._held.extend(requests)
-        return RequestStream(requests, receive, lambda r: self._finish(r, "abort"))
+        self._loop.admit(requests, hold=self._state is not S.RUNNING)
+        return RequestStream(requests, receive, lambda r: self._loop.finish(r, "abort"))
 
     async def prepare_structured_outputs(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` off the event loop, into the cache that
@@ -243,22 +222,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """End a request (all its ``n`` sequences) with ``finish_reason="abort"`` and free its
         blocks. Unknown ids: no-op."""
-        tracker = self._loop.tracker
-        for request in reversed(tracker.group(request_id)) if tracker else []:
-            self._finish(request, "abort")
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
-        if request in self._held:
-            self._held.remove(request)
-        tracker = self._loop.tracker
-        if tracker is not None:
-            tracker.finish(request, reason, error=error, weight_version=self._weight_version)
-
-    def _release_held(self) -> None:
-        for request in self._held:
-            self._scheduler.add(request.seq)
-        self._held.clear()
-        self._loop.notify()
+        for request in reversed(self._loop.group(request_id)):
+            self._loop.finish(request, "abort")
 
     # -- control --------------------------------------------------------------------
 
@@ -288,7 +253,7 @@ class Engine:
                 await self._loop.wait_until_idle()
             finally:
                 self._draining = False
-        async with self._loop.step_lock:
+        async with self._loop.between_steps():
             pass  # a step that was in flight has now returned
 
     async def resume(self) -> None:
@@ -299,7 +264,7 @@ class Engine:
             self._require("resume", S.PAUSED)
             self._state = S.RUNNING
             self._pause_mode = None
-            self._release_held()
+            self._loop.release_held()
 
     async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
         """Pause (``mode``), then release memory; returns once it is really released.
@@ -319,11 +284,9 @@ class Engine:
                 await self._pause_locked(mode)
             elif self._sleeping_tags == set(MEMORY_TAGS) and level == 1:
                 return  # already asleep
-            async with self._loop.step_lock:
-                await self._executor.sleep(level)
-                self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)
-                self._sleeping_tags = set(MEMORY_TAGS)
-                self._state = S.SLEEPING
+            await self._loop.sleep(level)
+            self._sleeping_tags = set(MEMORY_TAGS)
+            self._state = S.SLEEPING
 
     async def wakeup(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         """Make ``tags`` resident again; serving resumes once every tag is. Awake tags: no-op."""
@@ -337,15 +300,13 @@ class Engine:
             self._require("wake up", S.SLEEPING)
             for tag in MEMORY_TAGS:
                 if tag in tags and tag in self._sleeping_tags:
-                    async with self._loop.step_lock:
-                        if await self._executor.wakeup(tag):
-                            self._weight_version += 1  # reloaded from the model directory
+                    await self._loop.wakeup(tag)
                     self._sleeping_tags.discard(tag)
             if not self._sleeping_tags:
                 self._state = self._resume_state
                 if self._state is S.RUNNING:
                     self._pause_mode = None
-                    self._release_held()
+                    self._loop.release_held()
 
     async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace weights between two steps, atomically; ``weight_version`` increments.
@@ -362,10 +323,7 @@ class Engine:
                 named = await anyio.to_thread.run_sync(_read_dir, str(source))
             else:
                 named = list(source)
-            async with self._loop.step_lock:
-                await self._executor.update_weights(named)
-                self._weight_version += 1
-                self._scheduler.block_manager.forget_prefixes()
+            await self._loop.update_weights(named)
 
     def _require(self, action: str, *allowed: EngineState) -> None:
         if self._state not in allowed:
@@ -387,7 +345,16 @@ class Engine:
 
     @property
     def weight_version(self) -> int:
-        return self._weight_version
+        return self._loop.weight_version
+
+    @property
+    def observers(self) -> list[EngineObserver]:
+        """Told of every finished request and every step (on the event loop: be quick)."""
+        return self._loop.observers
+
+    @observers.setter
+    def observers(self, observers: list[EngineObserver]) -> None:
+        self._loop.observers = observers
 
     @property
     def tokenizer(self) -> Any:
@@ -395,7 +362,7 @@ class Engine:
 
     @property
     def model_config(self) -> Any:
-        info = self._loop.info
+        info = self._info
         if info is None:
             raise IllegalStateError(
                 "read the model config before the engine started", str(self._state)
@@ -404,65 +371,35 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        info = self._loop.info
+        info = self._info
         return info.max_model_len if info is not None else 0
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         """Bytes of weights and KV cache per device (and the CUDA allocator's figures)."""
-        return self._executor.memory_stats()
+        return self._loop.memory_stats()
 
     def stats(self) -> EngineStats:
-        scheduler = self._loop.scheduler
-        blocks = scheduler.block_manager if scheduler else None
-        c = self._counters
-        return EngineStats(
-            state=str(self._state),
-            num_running=scheduler.num_running if scheduler else 0,
-            num_waiting=(scheduler.num_waiting if scheduler else 0) + len(self._held),
-            num_free_blocks=blocks.num_free_blocks if blocks else 0,
-            num_total_blocks=blocks.num_blocks if blocks else 0,
-            kv_cache_usage=blocks.usage if blocks else 0.0,
-            weight_version=self._weight_version,
-            num_steps=self._loop.num_steps,
-            last_step_time=self._loop.last_step_time,
-            prompt_tokens_total=c.prompt_tokens,
-            generation_tokens_total=c.generation_tokens,
-            num_preemptions_total=self._loop.num_preemptions,
-            finished_total=dict(c.finished),
-            prefix_cache_queries_total=blocks.num_queried_tokens if blocks else 0,
-            prefix_cache_hits_total=blocks.num_hit_tokens if blocks else 0,
-        )
+        return self._loop.stats(str(self._state))
 
     @property
-    def _scheduler(self) -> Scheduler:
-        scheduler = self._loop.scheduler
-        assert scheduler is not None, "the engine loop has started"
-        return scheduler
+    def _executor(self) -> Executor:
+        """The loop's executor, for tests and the bench's instrumentation; the engine
+        itself reaches it only through the loop."""
+        return self._loop.executor
 
-    def _attach_hooks(self) -> None:
-        tracker: RequestTracker | None = self._loop.tracker
-        assert tracker is not None
-        counters = self._counters
 
-        def on_token(request: Request, now: float) -> None:
-            counters.generation_tokens += 1
+class _LoopOwner:
+    """An Engine as its loop sees it (``LoopOwner``): the gate of its state machine, and
+    the death a loop failure is."""
 
-        def on_finish(request: Request) -> None:
-            counters.finished[request.finish_reason or "abort"] += 1
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
 
-        def on_request_done(members: list[Request]) -> None:
-            stats = request_stats(members)
-            for observer in self.observers:
-                observer.request_finished(stats)
+    def can_step(self) -> bool:
+        return self._engine._can_step()
 
-        def on_step(num_batched_tokens: int) -> None:
-            for observer in self.observers:
-                observer.step_finished(num_batched_tokens)
-
-        tracker.token_hooks.append(on_token)
-        tracker.finish_hooks.append(on_finish)
-        tracker.group_hooks.append(on_request_done)
-        self._loop.step_hooks.append(on_step)
+    def loop_failed(self, cause: BaseException) -> None:
+        self._engine._die(cause)
 
 
 def _read_dir(path: str) -> list[tuple[str, torch.Tensor]]:

@@ -1,20 +1,30 @@
-"""``EngineLoop``: schedule → execute → publish, one step at a time."""
+"""``EngineLoop``: schedule → execute → publish, one step at a time.
+
+It owns what a step touches: the executor, the scheduler, the request registry (the
+tracker) and the weight version. Its parent (the Engine) talks to it through the methods
+below and answers it through ``LoopOwner``.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
 
-from ..agent.agent import AgentInfo
+from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from ..core.sequence import Sequence
 from ..core.step import SeqStep, StepBatch
 from ..executor import Executor
-from ..structured_outputs.bitmasks import BitmaskJob, fill_bitmasks
+from ..outputs import FinishReason
+from ..stats import Counters, EngineStats
+from ..structured_outputs import bitmasks
+from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker
 
 
@@ -25,37 +35,46 @@ class StepTimeoutError(TimeoutError):
         super().__init__(f"forward step did not return within step_timeout={timeout} s")
 
 
+class LoopOwner(Protocol):
+    """What the loop asks of the component that runs it (the Engine's state machine)."""
+
+    def can_step(self) -> bool:
+        """Whether a step may run now."""
+        ...
+
+    def loop_failed(self, cause: BaseException) -> None:
+        """The loop is failing with ``cause``: end every request now, before the clean-up."""
+        ...
+
+
 class EngineLoop:
     """Drives the scheduler and the executor.
 
-    It steps only while ``can_step()`` allows (the Engine's state machine decides) and
-    there is work. Control calls take ``step_lock`` to act between two steps.
+    It steps only while ``owner.can_step()`` allows (the Engine's state machine decides)
+    and there is work. Control calls act between two steps (``between_steps``).
+    ``scheduler`` and ``tracker`` exist once ``run`` started; read them, do not write.
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        executor: Executor,
-        can_step: Callable[[], bool],
-        weight_version: Callable[[], int],
-        on_fault: Callable[[BaseException], None],
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, owner: LoopOwner) -> None:
         self.config = config
         self.executor = executor
-        self._can_step = can_step
-        self._weight_version = weight_version
-        self._on_fault = on_fault
+        self._owner = owner
         self.last_step_time: float | None = None
         self.num_preemptions = 0
         self.scheduler: Scheduler | None = None
         self.tracker: RequestTracker | None = None
-        self.info: AgentInfo | None = None
-        self.step_lock = anyio.Lock()
+        self._info: AgentInfo | None = None
+        self.weight_version = 0  # counts the weights the executor loaded after the first
+        self._step_lock = anyio.Lock()
         self._work = anyio.Event()
         self._progress = anyio.Event()
-        self._finished_ids: list[str] = []
         self.num_steps = 0
-        self.step_hooks: list[Callable[[int], None]] = []  # called with the batched tokens
+        self.observers: list[EngineObserver] = []  # told of finished requests and steps
+        self.step_hooks: list[Callable[[int], None]] = []  # after the observers (tests)
+
+    async def prepare(self) -> None:
+        """What the executor measures on a quiet process, before anything loads (threads)."""
+        await anyio.to_thread.run_sync(self.executor.prepare)
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
@@ -68,20 +87,20 @@ class EngineLoop:
             try:
                 await self._serve()
             except Exception as exc:
-                self._on_fault(exc)  # every request gets its error chunk now, not after cleanup
+                self._owner.loop_failed(exc)  # every request gets its error chunk now
                 raise
 
     async def _serve(self) -> None:
         while True:
             await self._wait_for_work()
-            async with self.step_lock:
-                stalled = self._can_step() and not await self._step()
+            async with self._step_lock:
+                stalled = self._owner.can_step() and not await self._step()
             if stalled:  # work exists but none is runnable until something changes
                 await self._work.wait()
 
     def _setup(self, info: AgentInfo) -> None:
         cfg = self.config
-        self.info = info
+        self._info = info
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=info.num_blocks,
@@ -93,14 +112,119 @@ class EngineLoop:
             )
         )
         eos = frozenset(info.model_config.eos_token_ids)
-        self.tracker = RequestTracker(eos, info.max_model_len)
-        self.tracker.finish_hooks.append(self._on_finish)
+        self.tracker = RequestTracker(self.scheduler, eos, info.max_model_len)
+        self.tracker.finish_hooks.append(lambda request: self.notify())
+        self.tracker.group_hooks.append(self._request_done)
 
-    def _on_finish(self, request: Request) -> None:
-        if self.scheduler is not None:
-            self.scheduler.abort(request.request_id)  # a no-op for a request it never saw
-        self._finished_ids.append(request.request_id)
+    def _request_done(self, members: list[Request]) -> None:
+        stats = request_stats(members)
+        for observer in self.observers:
+            observer.request_finished(stats)
+
+    # -- the registry, for the Engine ------------------------------------------------
+
+    def admit(self, requests: list[Request], *, hold: bool) -> None:
+        """Register the sequences of one request; ``hold``: keep them out of the scheduler
+        until ``release_held`` (the engine does not step now)."""
+        self._tracker.add(requests, hold=hold)
+        if not hold:
+            self.notify()
+
+    def release_held(self) -> None:
+        """Schedule every held request."""
+        if self.tracker is not None:
+            self.tracker.release_held()
         self.notify()
+
+    def is_in_use(self, request_id: str) -> bool:
+        """Whether an unfinished request (or sequence) has this id."""
+        return self._tracker.is_in_use(request_id)
+
+    def group(self, public_id: str) -> list[Request]:
+        """The unfinished sequences of request ``public_id`` (empty if unknown)."""
+        return self.tracker.group(public_id) if self.tracker is not None else []
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End ``request`` now with a final chunk, and free its blocks. Idempotent."""
+        if self.tracker is not None:
+            self.tracker.finish(request, reason, error=error, weight_version=self.weight_version)
+
+    def finish_all(self, reason: FinishReason, error: str | None = None) -> None:
+        """End every admitted request, held ones included."""
+        for request in list(self.tracker.requests.values()) if self.tracker is not None else []:
+            self.finish(request, reason, error)
+
+    def finish_held(self, reason: FinishReason) -> None:
+        """End every held request (not yet scheduled)."""
+        for request in list(self.tracker.held) if self.tracker is not None else []:
+            self.finish(request, reason)
+
+    # -- control between two steps, for the Engine ------------------------------------
+
+    @asynccontextmanager
+    async def between_steps(self) -> AsyncIterator[None]:
+        """Hold the loop between two steps: a step in flight returns first."""
+        async with self._step_lock:
+            yield
+
+    async def sleep(self, level: int) -> None:
+        """Release the KV cache (and with level 2 the weights); every block is free after."""
+        async with self._step_lock:
+            await self.executor.sleep(level)
+            self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)
+
+    async def wakeup(self, tag: str) -> None:
+        """Make ``tag`` resident again (weights reloaded from disk count as new weights)."""
+        async with self._step_lock:
+            if await self.executor.wakeup(tag):
+                self.weight_version += 1
+
+    async def update_weights(self, named: list[Any]) -> None:
+        """Apply ``named`` weights between two steps; cached prefixes of the old ones go."""
+        async with self._step_lock:
+            await self.executor.update_weights(named)
+            self.weight_version += 1
+            self._scheduler.block_manager.forget_prefixes()
+
+    def memory_stats(self) -> dict[str, MemoryStats]:
+        return self.executor.memory_stats()
+
+    def stats(self, state: str) -> EngineStats:
+        """A snapshot of the steps, the queues and the blocks, for an engine in ``state``
+        (zeros before the loop started)."""
+        scheduler, tracker = self.scheduler, self.tracker
+        blocks = scheduler.block_manager if scheduler is not None else None
+        counters = tracker.counters if tracker is not None else Counters()
+        held = len(tracker.held) if tracker is not None else 0
+        return EngineStats(
+            state=state,
+            num_running=scheduler.num_running if scheduler is not None else 0,
+            num_waiting=(scheduler.num_waiting if scheduler is not None else 0) + held,
+            num_free_blocks=blocks.num_free_blocks if blocks is not None else 0,
+            num_total_blocks=blocks.num_blocks if blocks is not None else 0,
+            kv_cache_usage=blocks.usage if blocks is not None else 0.0,
+            weight_version=self.weight_version,
+            num_steps=self.num_steps,
+            last_step_time=self.last_step_time,
+            prompt_tokens_total=counters.prompt_tokens,
+            generation_tokens_total=counters.generation_tokens,
+            num_preemptions_total=self.num_preemptions,
+            finished_total=dict(counters.finished),
+            prefix_cache_queries_total=blocks.num_queried_tokens if blocks is not None else 0,
+            prefix_cache_hits_total=blocks.num_hit_tokens if blocks is not None else 0,
+        )
+
+    @property
+    def _scheduler(self) -> Scheduler:
+        assert self.scheduler is not None, "the loop has started"
+        return self.scheduler
+
+    @property
+    def _tracker(self) -> RequestTracker:
+        assert self.tracker is not None, "the loop has started"
+        return self.tracker
+
+    # -- stepping ---------------------------------------------------------------------
 
     def notify(self) -> None:
         """Wake the loop and anyone waiting for progress: the work or the gate changed."""
@@ -108,7 +232,7 @@ class EngineLoop:
         self._progress.set()
 
     async def _wait_for_work(self) -> None:
-        while not (self._can_step() and self._has_work()):
+        while not (self._owner.can_step() and self._has_work()):
             await self._work.wait()
             self._work = anyio.Event()
 
@@ -123,8 +247,8 @@ class EngineLoop:
 
     async def _step(self) -> bool:
         """Run one step; False when nothing could be scheduled."""
-        assert self.scheduler is not None and self.tracker is not None
-        batch = self.scheduler.schedule()
+        scheduler, tracker = self._scheduler, self._tracker
+        batch = scheduler.schedule()
         # counted at once: a step cancelled in flight (a stop) still preempted them
         self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
@@ -142,24 +266,25 @@ class EngineLoop:
             raise StepTimeoutError(timeout or 0.0) from exc
         self.num_steps += 1
         self.last_step_time = anyio.current_time()
-        self.scheduler.update_after_step(batch, failed=result.errors.keys())
+        scheduler.update_after_step(batch, result.token_ids, failed=result.errors.keys())
+        for observer in self.observers:
+            observer.step_finished(batch.num_batched_tokens)
         for hook in self.step_hooks:
             hook(batch.num_batched_tokens)
-        self.tracker.publish(batch.seqs, result, self._weight_version())
+        tracker.publish(batch.seqs, result, self.weight_version)
         self.notify()
         return True
 
     def _step_batch(self, batch: ScheduledBatch) -> StepBatch:
-        assert self.tracker is not None
+        tracker = self._tracker
         seqs = []
         now = time.monotonic()
         for i, seq in enumerate(batch.seqs):
-            request = self.tracker.get(seq.seq_id)
+            request = tracker.get(seq.seq_id)
             if request is not None and request.scheduled_time is None:
                 request.scheduled_time = now
             seqs.append(_seq_step(seq, batch.num_new_tokens[i], request, batch.needs_sample(i)))
-        finished, self._finished_ids = self._finished_ids, []
-        return StepBatch(seqs, finished)
+        return StepBatch(seqs, tracker.take_finished_ids())
 
     async def _fill_token_bitmasks(self, step: StepBatch) -> None:
         """Give each constrained sequence that samples its mask of allowed tokens.
@@ -168,28 +293,28 @@ class EngineLoop:
         (after a preemption, nothing; a restarted matcher, all of them). A sequence whose
         tokens the grammar rejects ends with an error instead.
         """
-        assert self.tracker is not None and self.info is not None
-        jobs: list[BitmaskJob] = []
+        tracker = self._tracker
+        assert self._info is not None
+        jobs: list[bitmasks.BitmaskJob] = []
         rows: dict[str, SeqStep] = {}
         for seq_step in step.seqs:
-            request = self.tracker.get(seq_step.seq_id)
+            request = tracker.get(seq_step.seq_id)
             if seq_step.params is None or request is None or request.grammar is None:
                 continue
             completion = request.seq.completion_token_ids
-            jobs.append(BitmaskJob(seq_step.seq_id, request.grammar, completion))
+            jobs.append(bitmasks.BitmaskJob(seq_step.seq_id, request.grammar, completion))
             rows[seq_step.seq_id] = seq_step
         if not jobs:
             return
-        vocab_size = self.info.model_config.vocab_size
-        filled = await anyio.to_thread.run_sync(fill_bitmasks, jobs, vocab_size)
+        vocab_size = self._info.model_config.vocab_size
+        # looked up in its module at each step: the bench wraps it there to time it
+        filled = await anyio.to_thread.run_sync(bitmasks.fill_bitmasks, jobs, vocab_size)
         for i, seq_id in enumerate(filled.seq_ids):
             rows[seq_id].token_bitmask = filled.bitmask[i]
         for seq_id, error in filled.errors.items():
-            request = self.tracker.get(seq_id)
+            request = tracker.get(seq_id)
             if request is not None:
-                self.tracker.finish(
-                    request, "error", error=error, weight_version=self._weight_version()
-                )
+                tracker.finish(request, "error", error=error, weight_version=self.weight_version)
 
 
 def _seq_step(seq: Sequence, n: int, request: Request | None, sample: bool) -> SeqStep:

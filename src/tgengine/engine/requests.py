@@ -1,7 +1,8 @@
-"""``Request`` and ``RequestTracker``: turn step results into each request's chunks.
+"""``Request`` and ``RequestTracker``: the registry of admitted requests, and their chunks.
 
 The tracker owns every admitted request's send stream. It is the only place that
-ends a request, so each request gets exactly one terminal chunk and nothing after it.
+ends a request (the terminal chunk sent, the blocks freed, together), so each request
+gets exactly one terminal chunk and nothing after it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from ..core.step import PromptLogprobs, StepResult, TokenInfo
 from ..outputs import FinishReason, RequestOutput
 from ..sampling import SamplingParams
+from ..stats import Counters
 from ..structured_outputs.matcher import GrammarMatcher
 from ..tokenization.detokenizer import IncrementalDetokenizer
 
@@ -115,25 +118,55 @@ def new_requests(
 
 
 class RequestTracker:
-    """The registry of admitted, unfinished requests."""
+    """The one registry of admitted, unfinished requests, by id, and where each one is.
 
-    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    An admitted request is either *held* (admitted while the engine does not step: it
+    waits here until ``release_held``) or in ``scheduler``. ``finish``, or a sampled token
+    that ends the request, is its end: the terminal chunk goes out and its sequence leaves
+    the scheduler (its blocks freed) at once. ``counters`` totals what it saw.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # public id -> its unfinished sequences
         self._members: dict[str, list[Request]] = {}  # public id -> all its sequences
+        self.held: list[Request] = []  # admitted, not yet in the scheduler
+        self.counters = Counters()
         self.group_hooks: list[Callable[[list[Request]], None]] = []  # all sequences ended
         self.finish_hooks: list[FinishHook] = []
-        self.token_hooks: list[Callable[[Request, float], None]] = []
+        self._finished_ids: list[str] = []
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.groups.setdefault(request.public_id, []).append(request)
-        self._members.setdefault(request.public_id, []).append(request)
+    def add(self, requests: list[Request], *, hold: bool) -> None:
+        """Admit the sequences of one request: held, or queued in the scheduler."""
+        for request in requests:
+            self.requests[request.request_id] = request
+            self.groups.setdefault(request.public_id, []).append(request)
+            self._members.setdefault(request.public_id, []).append(request)
+        self.counters.prompt_tokens += requests[0].seq.num_prompt_tokens
+        if hold:
+            self.held.extend(requests)
+        else:
+            for request in requests:
+                self.scheduler.add(request.seq)
+
+    def release_held(self) -> None:
+        """Queue every held request in the scheduler, in admission order."""
+        for request in self.held:
+            self.scheduler.add(request.seq)
+        self.held.clear()
+
+    def take_finished_ids(self) -> list[str]:
+        """The ids ended since the last call (their per-request state below can go)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def is_in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.groups
@@ -146,7 +179,8 @@ class RequestTracker:
         return self.requests.get(request_id)
 
     def publish(self, seqs: list[Sequence], result: StepResult, weight_version: int) -> None:
-        """Append each sampled token, emit its chunk, and end requests that are done."""
+        """Emit each sampled token's chunk (the scheduler appended it), and end requests
+        that are done."""
         now = time.monotonic()
         for seq in seqs:
             request = self.requests.get(seq.seq_id)
@@ -168,9 +202,7 @@ class RequestTracker:
         self, request: Request, token: int, info: TokenInfo | None, version: int, now: float
     ) -> None:
         seq = request.seq
-        seq.append_token(token)
-        for hook in self.token_hooks:
-            hook(request, now)
+        self.counters.generation_tokens += 1
         prompt_logprobs = request.prompt_logprobs if request.first_token_time is None else None
         if request.first_token_time is None:
             request.first_token_time = now
@@ -248,6 +280,12 @@ class RequestTracker:
                     group_hook(members)
         self._send(request, chunk)
         request.send.close()
+        if request in self.held:
+            self.held.remove(request)
+        else:
+            self.scheduler.finish(request.seq)  # its blocks are free now
+        self._finished_ids.append(request.request_id)
+        self.counters.finished[request.finish_reason or "abort"] += 1
         for hook in self.finish_hooks:
             hook(request)
 
