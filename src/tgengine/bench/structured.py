@@ -93,11 +93,10 @@ async def _decode(
 async def _tgengine(
     setup: BenchSetup, requests: list[BenchRequest], max_tokens: int
 ) -> dict[str, Any]:
-    from ..engine import loop as engine_loop
-    from ..structured_outputs import grammar_mask
+    from ..structured_outputs import bitmasks, grammar_mask
 
     extra = (
-        (engine_loop, "fill_bitmasks", "grammar_fill"),
+        (bitmasks, "fill_bitmasks", "grammar_fill"),
         (grammar_mask, "apply_token_bitmask_", "grammar_mask"),
     )
     free = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
