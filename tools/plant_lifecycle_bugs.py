@@ -26,17 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (module, the original text, the buggy text)
 BUGS: dict[str, tuple[str, str, str]] = {
     "death-leaves-requests-open": (
-        "engine.py",
+        "engine/engine.py",
         '        self._end_all("error", error=f"engine died: {type(cause).__name__}: {cause}")\n',
         "",
     ),
     "sleep-keeps-stale-prefix-cache": (
-        "engine.py",
-        "                self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)\n",
+        "engine/loop.py",
+        "            self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)\n",
         "",
     ),
     "cache-error-ends-the-batch": (
-        "model_agent.py",
+        "agent/agent.py",
         "                    result.errors[seq.seq_id] = "
         "str(CacheNotReadyError(seq.seq_id, problem))\n",
         "                    for other in batch.seqs:\n"
@@ -45,79 +45,74 @@ BUGS: dict[str, tuple[str, str, str]] = {
         "                    return result\n",
     ),
     "pause-keep-aborts": (
-        "engine.py",
+        "engine/engine.py",
         '        if mode == "abort":\n            self._end_all("abort")\n',
         '        if mode in ("abort", "keep"):\n            self._end_all("abort")\n',
     ),
     "failed-update-bumps-version": (
-        "engine.py",
-        "            async with self._loop.step_lock:\n"
-        "                await self._executor.update_weights(named)\n"
-        "                self._weight_version += 1\n",
-        "            async with self._loop.step_lock:\n"
-        "                self._weight_version += 1\n"
-        "                await self._executor.update_weights(named)\n",
+        "engine/loop.py",
+        "            await self.executor.update_weights(named)\n"
+        "            self.weight_version += 1\n",
+        "            self.weight_version += 1\n"
+        "            await self.executor.update_weights(named)\n",
     ),
     "dropped-stream-does-not-abort": (
-        "stream.py",
+        "engine/stream.py",
         "    def __del__(self) -> None:\n        self._let_go()\n",
         "    def __del__(self) -> None:\n        pass\n",
     ),
     "reused-block-keeps-old-prefix-hash": (
-        "block_manager.py",
+        "core/block_manager.py",
         "            del self._hash_to_block[block.block_hash]\n"
         "            block.block_hash = block.parent_hash = None\n"
         "            block.token_ids = ()\n",
         "            pass\n",
     ),
     "stop-leaves-held-requests": (
-        "engine.py",
-        "        for request in list(self._held):\n"
-        '            self._finish(request, "abort")\n'
-        "        self._stop_event.set()\n",
+        "engine/engine.py",
+        '        self._loop.finish_held("abort")\n        self._stop_event.set()\n',
         "        self._stop_event.set()\n",
     ),
     "update-keeps-stale-prefix-cache": (
-        "engine.py",
-        "                self._scheduler.block_manager.forget_prefixes()\n",
+        "engine/loop.py",
+        "            self._scheduler.block_manager.forget_prefixes()\n",
         "",
     ),
     "abort-keeps-blocks": (
-        "engine_loop.py",
-        "            self.scheduler.abort(request.request_id)"
-        "  # a no-op for a request it never saw\n",
+        "engine/requests.py",
+        "            self.scheduler.finish(request.seq)  # its blocks are free now\n",
         "            pass\n",
     ),
     "wakeup-keeps-requests-held": (
-        "engine.py",
-        "                    self._pause_mode = None\n                    self._release_held()\n",
+        "engine/engine.py",
+        "                    self._pause_mode = None\n"
+        "                    self._loop.release_held()\n",
         "                    self._pause_mode = None\n",
     ),
     "cancelled-consumer-does-not-abort": (
-        "stream.py",
+        "engine/stream.py",
         "        except BaseException:\n            self._let_go()",
         "        except BaseException:\n            self._receive.close()",
     ),
     "no-step-timeout": (
-        "engine_loop.py",
+        "engine/loop.py",
         "            with anyio.fail_after(timeout) if timeout is not None else _no_deadline():\n",
         "            with _no_deadline():\n",
     ),
     "reload-keeps-weight-version": (
-        "engine.py",
-        "                        if await self._executor.wakeup(tag):\n"
-        "                            self._weight_version += 1"
-        "  # reloaded from the model directory\n",
-        "                        await self._executor.wakeup(tag)\n",
+        "engine/loop.py",
+        "            if await self.executor.wakeup(tag):\n"
+        "                self.weight_version += 1\n",
+        "            await self.executor.wakeup(tag)\n",
     ),
     "drain-does-not-wait": (
-        "engine.py",
+        "engine/engine.py",
         "            try:\n                await self._loop.wait_until_idle()\n"
         "            finally:\n                self._draining = False\n",
         "            self._draining = False\n",
     ),
     "level1-sleep-drops-weights": (
-        "model_agent.py",
+        "agent/agent.py",
         "            if level == 1:\n",
         "            if level == 3:\n",
     ),
