@@ -68,10 +68,6 @@ TOP_LEVEL = {
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"models.architectures", "models.config", "models.config_cache"}),
     frozenset({"models.fused_decode", "models.llama"}),
-    # tokenization/: FastTokenizer loads transformers' tokenizer through tokenizer.py
-    frozenset(
-        {"tokenization.fast_tokenizer", "tokenization.tokenizer", "tokenization.tokenizer_facts"}
-    ),
 }
 # process/ mixes two layers until its plumbing moves to ipc/: executor/ uses it (and its
 # errors, until the one error tree), and so runs process/__init__ too.

@@ -15,12 +15,8 @@ from tgengine import EngineConfig
 from tgengine.errors import ModelLoadError
 from tgengine.tokenization import tokenizer_facts
 from tgengine.tokenization.fast_tokenizer import FastTokenizer
-from tgengine.tokenization.tokenizer import (
-    _plain_config,
-    chat_prompt,
-    load_hf_tokenizer,
-    load_tokenizer,
-)
+from tgengine.tokenization.hf_tokenizer import _plain_config, load_hf_tokenizer
+from tgengine.tokenization.tokenizer import chat_prompt, load_tokenizer
 
 from model_factory import IM_END, IM_START, make_tiny_model_dir
 

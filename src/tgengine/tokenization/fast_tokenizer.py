@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import tokenizers
 
 from .chat_template import PlainChatTemplate
-
-if TYPE_CHECKING:
-    from .tokenizer_facts import TokenizerFacts
+from .hf_tokenizer import load_hf_tokenizer
 
 # ``apply_chat_template`` arguments this class takes; any other goes to transformers.
 CHAT_DEFAULTS: dict[str, Any] = {
@@ -34,6 +33,22 @@ CHAT_DEFAULTS: dict[str, Any] = {
     "return_assistant_tokens_mask": False,
     "tokenizer_kwargs": None,
 }
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What a ``FastTokenizer`` needs besides ``tokenizer.json``, and whether it is exact
+    (taken once with transformers: ``tokenizer_facts``).
+
+    ``plain``: transformers' tokenizer of the directory is the file's pipeline and nothing
+    more; ``reason`` says why not otherwise. The rest is what transformers read.
+    """
+
+    plain: bool
+    reason: str = ""
+    special_tokens_map: dict[str, Any] = field(default_factory=dict)
+    model_max_length: int = 0
+    chat_template: str | None = None
 
 
 class FastTokenizer:
@@ -171,8 +186,6 @@ class FastTokenizer:
         """The transformers tokenizer of the same directory (loaded once, on first use)."""
         with self._hf_lock:
             if self._hf is None:
-                from .tokenizer import load_hf_tokenizer
-
                 self._hf = load_hf_tokenizer(self.name_or_path)
             return self._hf
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from ..runtime.disk_cache import DiskCache
 from . import chat_template as chat_template_module
 from . import fast_tokenizer as fast_tokenizer_module
 from .chat_template import has_generation_tag
+from .fast_tokenizer import TokenizerFacts
 
 FORMAT = 1  # bump when TokenizerFacts or the checks change meaning
 # Everything AutoTokenizer reads to choose and build a tokenizer (config.json: the model type).
@@ -84,21 +84,6 @@ PROBE_TOOLS = (
         },
     },
 )
-
-
-@dataclass(frozen=True)
-class TokenizerFacts:
-    """What a ``FastTokenizer`` needs besides ``tokenizer.json``, and whether it is exact.
-
-    ``plain``: transformers' tokenizer of the directory is the file's pipeline and nothing
-    more; ``reason`` says why not otherwise. The rest is what transformers read.
-    """
-
-    plain: bool
-    reason: str = ""
-    special_tokens_map: dict[str, Any] = field(default_factory=dict)
-    model_max_length: int = 0
-    chat_template: str | None = None
 
 
 CACHE = DiskCache(
