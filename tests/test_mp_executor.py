@@ -16,7 +16,7 @@ import pytest
 
 from tgengine import Engine, EngineDeadError, EngineState, InvalidRequestError
 from tgengine._faults import FaultInjector
-from tgengine.engine.loop import StepTimeoutError
+from tgengine.errors import StepTimeoutError
 from tgengine.models import iter_safetensors
 
 from engine_helpers import (

@@ -16,7 +16,7 @@ import pytest
 
 from tgengine import Engine, EngineDeadError
 from tgengine._faults import FaultInjector
-from tgengine.executor import WorkerExited, WorkerFailed
+from tgengine.errors import WorkerExited, WorkerFailed
 
 from engine_helpers import (
     TIMEOUT,

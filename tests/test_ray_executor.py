@@ -27,7 +27,7 @@ from tgengine import (
     open_engine,
 )
 from tgengine._faults import FaultInjector
-from tgengine.executor.errors import WorkerExited, WorkerFailed
+from tgengine.errors import WorkerExited, WorkerFailed
 from tgengine.executor.ray_executor import RayExecutor
 from tgengine.models import iter_safetensors
 

@@ -14,6 +14,7 @@ from .errors import (
     CacheNotReadyError,
     EngineDeadError,
     EnginePausedError,
+    EngineProcessExited,
     EngineSleepingError,
     EngineStoppedError,
     IllegalStateError,
@@ -23,7 +24,6 @@ from .errors import (
 )
 from .open_engine import open_engine
 from .outputs import RequestOutput
-from .process.errors import EngineProcessExited
 from .sampling import SamplingParams
 from .state import EngineState
 from .stats import EngineStats

@@ -1,4 +1,4 @@
-"""The exceptions tgengine raises, split by who is at fault.
+"""The exceptions tgengine raises, split by who is at fault: every one of them, in one tree.
 
 ::
 
@@ -10,10 +10,20 @@
      ├─ CacheNotReadyError       one request's KV cache is missing; becomes its error chunk
      ├─ IllegalStateError        a control call that the current state does not allow
      ├─ ModelLoadError           the model directory is missing, broken or unsupported
-     └─ InvalidRequestError      bad parameters or prompt; also a ValueError (server: 400)
+     ├─ InvalidRequestError      bad parameters or prompt; also a ValueError (server: 400)
+     │
+     │  faults of a transport: the __cause__ of an EngineDeadError, never raised to you alone
+     ├─ StepTimeoutError         a forward step overran step_timeout; also a TimeoutError
+     ├─ WorkerError              a rank of the mp or ray executor failed; names the rank
+     │   ├─ WorkerExited         its process (or actor) is gone: killed, crashed, lost
+     │   └─ WorkerFailed         it raised (its exception is the __cause__)
+     ├─ EngineProcessExited      the engine process ended without a word (its exit status)
+     └─ RemoteError              an exception of another process that could not cross as itself
 """
 
 from __future__ import annotations
+
+import signal
 
 
 class TGEngineError(Exception):
@@ -103,3 +113,76 @@ class ModelLoadError(TGEngineError):
         self.model = model
         self.reason = reason
         super().__init__(f"cannot load model {model!r}: {reason}")
+
+
+class StepTimeoutError(TGEngineError, TimeoutError):
+    """A forward step did not return within ``EngineConfig.step_timeout``: a fault."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(f"forward step did not return within step_timeout={timeout} s")
+
+
+class WorkerError(TGEngineError):
+    """A rank of a multi-process or Ray executor failed; ``rank`` says which."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(message)
+
+
+class WorkerExited(WorkerError):
+    """The rank's process ended without a word; ``returncode`` as ``Popen`` gives it
+    (negative: the signal that killed it), or ``reason`` for a lost Ray actor or node."""
+
+    def __init__(
+        self, rank: int, pid: int | None, returncode: int | None, reason: str | None = None
+    ) -> None:
+        self.pid = pid
+        self.returncode = returncode
+        if reason is None:
+            reason = f"exited with status {describe_status(returncode)}"
+        where = f" (pid {pid})" if pid is not None else ""
+        super().__init__(rank, f"rank {rank} worker{where} {reason}")
+
+
+class WorkerFailed(WorkerError):
+    """The rank raised ``error`` (also this exception's ``__cause__``)."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        self.error_type = type(error).__name__
+        super().__init__(rank, f"rank {rank} raised {self.error_type}: {error}")
+        self.__cause__ = error
+
+
+class EngineProcessExited(TGEngineError):
+    """The engine process ended without a word: killed by a signal or exited on its own.
+
+    The ``__cause__`` of the ``EngineDeadError`` that ``ProcessEngine.run()`` raises;
+    ``returncode`` is the exit status (negative: the signal that killed it).
+    """
+
+    def __init__(self, pid: int, returncode: int | None) -> None:
+        self.pid = pid
+        self.returncode = returncode
+        super().__init__(f"engine process {pid} exited with status {describe_status(returncode)}")
+
+
+class RemoteError(TGEngineError):
+    """An exception from another process that could not cross the boundary as itself."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        self.type_name = type_name
+        super().__init__(f"{type_name}: {message}")
+
+
+def describe_status(returncode: int | None) -> str:
+    """A process's exit status in words: ``-9 (SIGKILL)``, ``1``, or still running."""
+    if returncode is None:
+        return "unknown (still running)"
+    if returncode < 0:
+        try:
+            return f"{returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return str(returncode)
+    return str(returncode)

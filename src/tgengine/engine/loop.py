@@ -20,19 +20,13 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from ..core.sequence import Sequence
 from ..core.step import SeqStep, StepBatch
+from ..errors import StepTimeoutError
 from ..executor import Executor
 from ..outputs import FinishReason
 from ..stats import Counters, EngineStats
 from ..structured_outputs import bitmasks
 from .request_stats import EngineObserver, request_stats
 from .requests import Request, RequestTracker
-
-
-class StepTimeoutError(TimeoutError):
-    """A forward step did not return within ``EngineConfig.step_timeout``."""
-
-    def __init__(self, timeout: float) -> None:
-        super().__init__(f"forward step did not return within step_timeout={timeout} s")
 
 
 class LoopOwner(Protocol):

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from .._faults import FaultInjector
 from ..config import EngineConfig
 from .base import Executor
-from .errors import WorkerError, WorkerExited, WorkerFailed
 from .uni_executor import UniExecutor
 
 if TYPE_CHECKING:
@@ -18,9 +17,6 @@ __all__ = [
     "Executor",
     "MPExecutor",
     "UniExecutor",
-    "WorkerError",
-    "WorkerExited",
-    "WorkerFailed",
     "make_executor",
 ]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from .errors import WorkerExited
+from ..errors import WorkerExited
 
 
 @dataclasses.dataclass

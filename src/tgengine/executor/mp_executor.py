@@ -23,12 +23,12 @@ from .._faults import FaultInjector
 from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
+from ..errors import WorkerError, WorkerExited, WorkerFailed
+from ..ipc.spawn import spawn_child
+from ..ipc.weights_file import remove_weights_dir, write_weights_dir
+from ..ipc.wire import Channel, encode
 from ..models import load_model_config
-from ..process.spawn import spawn_child
-from ..process.weights_file import remove_weights_dir, write_weights_dir
-from ..process.wire import Channel, encode
 from ..runtime.parallel import free_port
-from .errors import WorkerError, WorkerExited, WorkerFailed
 from .mp_calls import Call, StepTimings
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import CheckWeights, Command, Execute, RankSpec, Sleep, UpdateWeights, Wakeup

@@ -20,10 +20,10 @@ import anyio.abc
 from anyio.abc import UNIXSocketStream
 
 from ..agent.agent import AgentInfo
-from ..process.errors import portable
-from ..process.orphan import ParentWatch
-from ..process.spawn import child_args
-from ..process.wire import Channel
+from ..ipc.orphan import ParentWatch
+from ..ipc.portable import portable
+from ..ipc.spawn import child_args
+from ..ipc.wire import Channel
 from ..runtime.task_status import StartedOnce
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import Execute, RankSpec, RankWorker

@@ -26,9 +26,9 @@ from .._faults import FaultInjector
 from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
+from ..errors import WorkerError, WorkerExited, WorkerFailed
 from ..models import load_model_config
 from . import ray_cluster
-from .errors import WorkerError, WorkerExited, WorkerFailed
 from .ray_actor import ACTOR_OPTIONS, RankActor
 from .worker import Execute, RankSpec, Sleep, Wakeup
 

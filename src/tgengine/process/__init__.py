@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineProcessExited, RemoteError
+from ..errors import EngineProcessExited, RemoteError
 
 if TYPE_CHECKING:
     from .client import ProcessEngine

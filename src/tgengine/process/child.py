@@ -17,10 +17,10 @@ from anyio.abc import UNIXSocketStream
 
 from .._faults import FaultInjector
 from ..engine.engine import Engine
+from ..ipc.spawn import child_args
+from ..ipc.wire import Channel
 from .host import EngineHost
 from .messages import Setup
-from .spawn import child_args
-from .wire import Channel
 
 
 async def serve_parent(sock: socket.socket) -> BaseException | None:

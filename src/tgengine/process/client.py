@@ -21,7 +21,16 @@ from .._faults import FaultInjector
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
 from ..engine.request_stats import EngineObserver
-from ..errors import EngineDeadError, EngineStoppedError, IllegalStateError
+from ..errors import (
+    EngineDeadError,
+    EngineProcessExited,
+    EngineStoppedError,
+    IllegalStateError,
+    describe_status,
+)
+from ..ipc.spawn import spawn_child
+from ..ipc.weights_file import remove_weights_dir, write_weights_dir
+from ..ipc.wire import Channel
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
 from ..state import MEMORY_TAGS, EngineState
@@ -29,7 +38,6 @@ from ..stats import EngineStats
 from ..tokenization.tokenizer import load_tokenizer
 from .admission import Admission
 from .connection import Connection
-from .errors import EngineProcessExited, describe_status
 from .messages import (
     Final,
     Output,
@@ -45,9 +53,6 @@ from .messages import (
 from .remote_calls import RemoteCalls
 from .remote_requests import RemoteRequests
 from .remote_stream import RemoteStream
-from .spawn import spawn_child
-from .weights_file import remove_weights_dir, write_weights_dir
-from .wire import Channel
 
 if TYPE_CHECKING:
     import torch

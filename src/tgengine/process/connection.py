@@ -12,8 +12,8 @@ from typing import Any
 
 import anyio
 
+from ..ipc.wire import Channel
 from .messages import Frame, Snapshot
-from .wire import Channel
 
 
 class Connection:

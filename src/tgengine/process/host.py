@@ -20,8 +20,10 @@ from ..engine.engine import Engine
 from ..engine.request_stats import RequestStats
 from ..engine.stream import RequestStream
 from ..errors import EngineDeadError, TGEngineError
+from ..ipc.orphan import ParentWatch
+from ..ipc.portable import portable
+from ..ipc.wire import Channel
 from ..runtime.task_status import StartedOnce
-from .errors import portable
 from .messages import (
     CONTROL_METHODS,
     Abort,
@@ -38,8 +40,6 @@ from .messages import (
     StepFinished,
     Stop,
 )
-from .orphan import ParentWatch
-from .wire import Channel
 
 HEARTBEAT = 0.5  # seconds between snapshots while nothing else is sent
 MAX_BATCH = 4096  # messages in one frame
