@@ -23,11 +23,11 @@ import anyio
 import anyio.abc
 from anyio.from_thread import BlockingPortal
 
-from tgengine import Engine, EngineConfig, ProcessEngine, SamplingParams
-from tgengine._faults import FaultInjector
+from tgengine import EngineConfig, ProcessEngine, SamplingParams
 from tgengine.core.block_manager import BlockManager, hash_block
 from tgengine.engine.request_stats import RequestStats
 
+from fault_injection import FaultInjector, faulty_engine
 from lifecycle_model import RequestModel
 
 BOUND = 30.0  # seconds: any single call, and the final drain, must finish within it
@@ -49,7 +49,7 @@ def make_engine(kind: str, config: EngineConfig, faults: FaultInjector) -> Any:
         return ProcessEngine(config)
     if kind == "mp":
         config = dataclasses.replace(config, executor="mp")  # type: ignore[call-arg]
-    return Engine(config, _faults=faults)
+    return faulty_engine(config, faults)
 
 
 class EngineDriver:

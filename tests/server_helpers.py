@@ -13,10 +13,10 @@ import anyio
 import httpx
 
 from tgengine import Engine, EngineDeadError
-from tgengine._faults import FaultInjector
 from tgengine.server import Server, ServerConfig
 
 from engine_helpers import tiny_config
+from fault_injection import FaultInjector, faulty_engine
 
 MODEL = "tiny"
 API_KEY = "test-api-key"
@@ -50,7 +50,8 @@ async def running_server(
     An engine that dies does not take the server down here (so tests can watch the
     server answer for a dead engine): ``engine_died`` is set instead.
     """
-    engine = Engine(tiny_config(model_dir, **(engine_options or {})), _faults=faults)
+    config = tiny_config(model_dir, **(engine_options or {}))
+    engine = Engine(config) if faults is None else faulty_engine(config, faults)
     server_options.setdefault("served_model_name", MODEL)
     server = Server(engine, ServerConfig(port=0, **server_options))
     died, returned = anyio.Event(), anyio.Event()

@@ -7,8 +7,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tgengine import Engine, EngineDeadError, EngineState
-from tgengine._faults import FaultInjector
+from tgengine import EngineDeadError, EngineState
 
 from engine_helpers import (
     TIMEOUT,
@@ -21,6 +20,7 @@ from engine_helpers import (
     tiny_config,
     tokens_of,
 )
+from fault_injection import FaultInjector, faulty_engine
 
 pytestmark = pytest.mark.anyio
 PROMPTS = [[3 + i, 40, 41 + 2 * i, 50, 60 + i, 7] for i in range(8)]
@@ -32,7 +32,7 @@ class Boom(RuntimeError):
 
 async def test_exception_at_step_n_errors_every_request(tiny_llama_dir: Path) -> None:
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir), faults)
     boom = Boom("injected")
     consumers = [Consumer(engine, p, greedy(10_000)) for p in PROMPTS]
     with anyio.fail_after(TIMEOUT):
@@ -54,7 +54,7 @@ async def test_exception_at_step_n_errors_every_request(tiny_llama_dir: Path) ->
 
 async def test_hang_with_step_timeout_is_a_fault(tiny_llama_dir: Path) -> None:
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir, step_timeout=0.5), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir, step_timeout=0.5), faults)
     consumers = [Consumer(engine, p, greedy(10_000)) for p in PROMPTS]
     try:
         with anyio.fail_after(0.5 + TIMEOUT):
@@ -79,7 +79,7 @@ async def test_hang_with_step_timeout_is_a_fault(tiny_llama_dir: Path) -> None:
 async def test_cache_not_ready_fails_one_request_only(tiny_llama_dir: Path) -> None:
     params = greedy(30)
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir), faults)
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
@@ -104,7 +104,7 @@ async def test_a_cache_error_leaves_no_prefix_behind(tiny_llama_dir: Path) -> No
     """The failed step computed none of the victim's KV: later requests must not hit it."""
     prompt, params = list(range(40, 62)), greedy(8)  # five full blocks of four tokens
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir), faults)
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
@@ -126,7 +126,7 @@ async def test_a_failing_cleanup_never_hides_the_fault(
 
     monkeypatch.setattr(ModelAgent, "_release_all", broken_release)
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir), faults)
     boom = Boom("the original fault")
     consumer = Consumer(engine, PROMPTS[0], greedy(10_000))
     with anyio.fail_after(TIMEOUT):
@@ -143,7 +143,7 @@ async def test_a_failing_cleanup_never_hides_the_fault(
 
 async def test_the_event_loop_stays_responsive_during_a_step(tiny_llama_dir: Path) -> None:
     faults = FaultInjector()
-    engine = Engine(tiny_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tiny_config(tiny_llama_dir), faults)
     first = Consumer(engine, PROMPTS[0], greedy(50))
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as tg:

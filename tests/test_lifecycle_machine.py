@@ -58,12 +58,12 @@ from tgengine import (
     ModelLoadError,
     SamplingParams,
 )
-from tgengine._faults import FaultInjector
 from tgengine.agent.agent import CPU_KV_CACHE_BYTES
 from tgengine.models import kernels
 from tgengine.models.gemm import can_pack_panels
 
 from engine_helpers import engine_threads, hf_greedy, hf_greedy_with_margin, tiny_config
+from fault_injection import FaultInjector
 from lifecycle_driver import (
     BOUND,
     EngineDriver,
@@ -186,7 +186,7 @@ class Boom(RuntimeError):
 def admission_error(engine: Any) -> Exception | None:
     """What ``generate`` would raise now, asked without admitting anything."""
     try:
-        engine._check_admission()
+        engine.check_admission()
     except Exception as exc:
         return exc
     return None

@@ -15,7 +15,6 @@ import anyio
 import pytest
 
 from tgengine import Engine, EngineDeadError, EngineState, InvalidRequestError
-from tgengine._faults import FaultInjector
 from tgengine.errors import StepTimeoutError
 from tgengine.models import iter_safetensors
 
@@ -29,6 +28,7 @@ from engine_helpers import (
     tiny_config,
     tokens_of,
 )
+from fault_injection import FaultInjector, faulty_engine
 from process_helpers import child_pids, worker_pids
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +46,7 @@ async def test_one_worker_serves_like_uni_and_obeys_every_control_call(
     """One engine for many checks: a worker start costs seconds."""
     before = child_pids()
     faults = FaultInjector()
-    engine = Engine(mp_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(mp_config(tiny_llama_dir), faults)
     params = greedy(8)
     want = [hf_greedy(tiny_llama_dir, p, 8) for p in PROMPTS]
     weights = list(iter_safetensors(tiny_llama_dir))

@@ -15,7 +15,6 @@ import anyio
 import pytest
 
 from tgengine import Engine, EngineDeadError
-from tgengine._faults import FaultInjector
 from tgengine.errors import WorkerExited, WorkerFailed
 
 from engine_helpers import (
@@ -26,6 +25,7 @@ from engine_helpers import (
     stream_all,
     tiny_config,
 )
+from fault_injection import FaultInjector, faulty_engine
 from process_helpers import child_pids
 
 pytestmark = pytest.mark.anyio
@@ -68,7 +68,7 @@ async def test_killing_rank_1_errors_every_request_at_once(tiny_llama_dir: Path)
 async def test_rank_1_raising_names_rank_and_error(tiny_llama_dir: Path) -> None:
     before = child_pids()
     faults = FaultInjector(ranks={1})
-    engine = Engine(tp2_config(tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(tp2_config(tiny_llama_dir), faults)
     consumers = [Consumer(engine, p, ENDLESS) for p in make_prompts(vocab_size=384, count=3)]
     with anyio.fail_after(TIMEOUT):
         with pytest.RaisesGroup(EngineDeadError) as info:

@@ -23,7 +23,6 @@ from tgengine import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from tgengine._faults import FaultInjector
 from tgengine.engine.request_stats import RequestStats
 from tgengine.models import iter_safetensors
 
@@ -38,6 +37,7 @@ from engine_helpers import (
     tiny_config,
     tokens_of,
 )
+from fault_injection import FaultInjector, InjectedExecutors
 from model_factory import VOCAB_SIZE, make_tiny_model_dir
 from process_helpers import child_pids
 
@@ -207,7 +207,9 @@ async def exception_in_the_child_arrives_as_the_cause(long_context_dir: Path) ->
         raise_at={6: RuntimeError("injected in the child")},
         cache_not_ready_at={2: {"unlucky"}},
     )
-    client = ProcessEngine(tiny_config(long_context_dir), _faults=faults)
+    client = ProcessEngine(
+        tiny_config(long_context_dir), executor_factory=InjectedExecutors(faults.plan())
+    )
     with anyio.fail_after(TIMEOUT):
         with pytest.RaisesGroup(EngineDeadError) as info:
             async with anyio.create_task_group() as tg:

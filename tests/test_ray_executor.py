@@ -26,7 +26,6 @@ from tgengine import (
     InvalidRequestError,
     open_engine,
 )
-from tgengine._faults import FaultInjector
 from tgengine.errors import WorkerExited, WorkerFailed
 from tgengine.executor.ray_executor import RayExecutor
 from tgengine.models import iter_safetensors
@@ -40,6 +39,7 @@ from engine_helpers import (
     tiny_config,
     tokens_of,
 )
+from fault_injection import FaultInjector, faulty_engine
 from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
 from ray_helpers import (
@@ -196,7 +196,7 @@ async def test_a_rank_that_raises_kills_the_engine_with_its_error(
     two_nodes: Any, tiny_llama_dir: Path
 ) -> None:
     faults = FaultInjector(ranks={1})
-    engine = Engine(ray_config(two_nodes, tiny_llama_dir), _faults=faults)
+    engine = faulty_engine(ray_config(two_nodes, tiny_llama_dir), faults)
     consumers = [Consumer(engine, p, greedy(10_000)) for p in PROMPTS]
     with anyio.fail_after(TIMEOUT):
         with pytest.RaisesGroup(EngineDeadError) as info:

@@ -21,7 +21,8 @@ from server_helpers import (
     wait_until,
 )
 from tgengine import Engine
-from tgengine._faults import FaultInjector
+
+from fault_injection import FaultInjector
 
 pytestmark = pytest.mark.anyio
 

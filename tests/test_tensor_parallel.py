@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from tgengine import Engine, InvalidRequestError, ModelLoadError
-from tgengine._faults import FaultPlan
 from tgengine.core.step import SeqStep, StepBatch, StepResult
 from tgengine.executor.worker import Execute
 from tgengine.models import KVCache, iter_safetensors, load_model, load_model_config
@@ -37,6 +36,7 @@ from engine_helpers import (
     tiny_config,
     tokens_of,
 )
+from fault_injection import FaultPlan
 from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
 from tp_harness import RankGroup
@@ -141,7 +141,7 @@ def test_ranks_agree_on_one_ranks_cache_error(ranks: RankGroup, tiny_llama_dir: 
     faults = FaultPlan(cache_not_ready_at={1: {"s1"}}, ranks=frozenset({1}))
     ranks.load(tiny_config(tiny_llama_dir))
     try:
-        results = ranks.call(Execute(prefill_batch(prompts, 1), 0, faults))
+        results = ranks.call(Execute(prefill_batch(prompts, 1)), faults=faults)
     finally:
         ranks.unload()
     assert [set(r.errors) for r in results] == [{"s1"}, {"s1"}]

@@ -14,9 +14,12 @@ import multiprocessing as mp
 import os
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+
+if TYPE_CHECKING:
+    from fault_injection import FaultPlan
 
 TIMEOUT = 60.0
 
@@ -28,7 +31,10 @@ class RankError(Exception):
 class RankGroup:
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
+        from fault_injection import new_plan_file
+
         self.world_size = world_size
+        self.plan_file = new_plan_file()
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for _ in range(world_size):
@@ -40,18 +46,35 @@ class RankGroup:
             self.procs.append(proc)
 
     def load(self, config: Any) -> list[Any]:
-        """Start every rank on ``config`` (a fresh rendezvous); each rank's ``AgentInfo``."""
+        """Start every rank on ``config`` (a fresh rendezvous); each rank's ``AgentInfo``.
+
+        Every rank's agent follows the fault plan that ``call`` is given (see
+        ``fault_injection``)."""
         from tgengine.executor.worker import RankSpec
         from tgengine.runtime.parallel import free_port
 
+        from fault_injection import PlannedAgents
+
         init_method = f"tcp://127.0.0.1:{free_port()}"
         n = self.world_size
-        specs = [RankSpec(config, r, n, init_method, follow_faults=True) for r in range(n)]
+        agents = PlannedAgents(self.plan_file)
+        specs = [RankSpec(config, r, n, init_method, agent_factory=agents) for r in range(n)]
         return self._all(specs)
 
-    def call(self, command: Any, *, raise_errors: bool = True) -> list[Any]:
-        """``RankWorker.handle(command)`` on every rank; each rank's answer (or RankError)."""
-        return self._all([command] * self.world_size, raise_errors)
+    def call(
+        self, command: Any, *, raise_errors: bool = True, faults: FaultPlan | None = None
+    ) -> list[Any]:
+        """``RankWorker.handle(command)`` on every rank; each rank's answer (or RankError).
+
+        ``faults``: the plan the ranks follow in this call (a step of it is step 1)."""
+        from fault_injection import remove_plan, write_plan
+
+        if faults is not None:
+            write_plan(self.plan_file, faults, 0)
+        try:
+            return self._all([command] * self.world_size, raise_errors)
+        finally:
+            remove_plan(self.plan_file)
 
     def unload(self) -> None:
         self._all([None] * self.world_size)

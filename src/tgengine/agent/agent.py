@@ -9,14 +9,14 @@ import gc
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 import torch
 
-from .._faults import FaultInjector
 from ..config import EngineConfig
 from ..core.step import SeqStep, StepBatch, StepResult
 from ..errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
@@ -88,12 +88,11 @@ class ModelAgent:
     def __init__(
         self,
         config: EngineConfig,
-        faults: FaultInjector | None = None,
+        *,
         parallel: ParallelContext | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
         self.config = config
-        self._faults = faults
         # Read once by the caller, when it has it (a worker process gets it from its parent:
         # reading config.json goes through transformers, seconds of imports).
         self._model_config = model_config
@@ -273,14 +272,21 @@ class ModelAgent:
             raise ModelLoadError(cfg.model, reason)
         return int(num_blocks)
 
-    def _step(self, batch: StepBatch) -> StepResult:
+    @contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """Marks a step in flight: the clean-up waits for it (up to ``step_timeout``)."""
         self._idle.clear()
         try:
-            step = self._faults.before_step() if self._faults is not None else 0
+            yield
+        finally:
+            self._idle.set()
+
+    def _step(self, batch: StepBatch) -> StepResult:
+        with self._stepping():
             for seq_id in batch.finished_ids:
                 self._generators.pop(seq_id, None)
             result = StepResult()
-            problems = [self._cache_problem(seq, step) for seq in batch.seqs]
+            problems = [self._cache_problem(seq) for seq in batch.seqs]
             # Every rank runs the same forward: a problem on any rank is every rank's.
             agreed = self.parallel.agree_any([p is not None for p in problems])
             ready = []
@@ -293,10 +299,9 @@ class ModelAgent:
             if ready:
                 self._forward(ready, result)
             return result
-        finally:
-            self._idle.set()
 
-    def _cache_problem(self, seq: SeqStep, step: int) -> str | None:
+    def _cache_problem(self, seq: SeqStep) -> str | None:
+        """Why ``seq``'s KV cache cannot take this step, or None when it can."""
         if self._kv is None:
             return "the KV cache is released (the engine is asleep)"
         bs = self._kv.block_size
@@ -307,8 +312,6 @@ class ModelAgent:
         for block in seq.block_table:
             if not 0 <= block < self._kv.num_blocks:
                 return f"block {block} is not in the cache ({self._kv.num_blocks} blocks)"
-        if self._faults is not None and self._faults.is_cache_not_ready(step, seq.seq_id):
-            return "injected fault: cache not ready"
         return None
 
     def _forward(self, seqs: list[SeqStep], result: StepResult) -> None:

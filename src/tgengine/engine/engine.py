@@ -12,7 +12,6 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector
 from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
 from ..errors import (
@@ -47,11 +46,14 @@ class Engine:
 
     ``await tg.start(engine.run)`` loads the model and returns once it can serve;
     ``engine.stop()`` (or cancelling that task group) ends it. See DESIGN.md §2.
+    ``executor`` runs the model (default: the one ``config.executor_kind`` names); a test
+    passes a wrapped or fake one, as httpx's tests pass a transport.
     """
 
-    def __init__(self, config: EngineConfig, *, _faults: FaultInjector | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, executor: Executor | None = None) -> None:
         self.config = config
-        self._loop = EngineLoop(config, make_executor(config, _faults), _LoopOwner(self))
+        executor = executor if executor is not None else make_executor(config)
+        self._loop = EngineLoop(config, executor, _LoopOwner(self))
         self._info: AgentInfo | None = None  # what the loop started with
         self._state = S.STARTING
         self._run_called = False
@@ -168,7 +170,7 @@ class Engine:
     def _admit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None
     ) -> RequestStream:
-        self._check_admission()
+        self.check_admission()
         vocab_size = self.model_config.vocab_size
         token_ids = encode_prompt(self._tokenizer, prompt, vocab_size, self.max_model_len)
         check_token_ids(params, vocab_size)
@@ -204,7 +206,8 @@ class Engine:
             return
         await anyio.to_thread.run_sync(grammars.matcher, params.structured_outputs)
 
-    def _check_admission(self) -> None:
+    def check_admission(self) -> None:
+        """Raise what ``generate`` would raise now (before any chunk); admit nothing."""
         state = self._state
         if state is S.RUNNING:
             return

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._faults import FaultInjector
 from ..config import EngineConfig
-from .base import Executor
+from .base import AgentFactory, Executor
 from .uni_executor import UniExecutor
 
 if TYPE_CHECKING:
     from .mp_executor import MPExecutor
 
 __all__ = [
+    "AgentFactory",
     "Executor",
     "MPExecutor",
     "UniExecutor",
@@ -21,18 +21,18 @@ __all__ = [
 ]
 
 
-def make_executor(config: EngineConfig, faults: FaultInjector | None = None) -> Executor:
+def make_executor(config: EngineConfig) -> Executor:
     """The executor ``config`` asks for (``EngineConfig.executor_kind``); no I/O here."""
     kind = config.executor_kind
     if kind == "uni":
-        return UniExecutor(config, faults)
+        return UniExecutor(config)
     if kind == "mp":
         from .mp_executor import MPExecutor
 
-        return MPExecutor(config, faults)
+        return MPExecutor(config)
     from .ray_executor import RayExecutor
 
-    return RayExecutor(config, faults)
+    return RayExecutor(config)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""The interface the EngineLoop sees: one ``run()`` plus step and memory calls."""
+"""The interface the EngineLoop sees (``Executor``: one ``run()`` plus step and memory
+calls), and what an executor builds each rank's agent with (``AgentFactory``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from typing import Protocol
 import anyio.abc
 import torch
 
-from ..agent.agent import AgentInfo, MemoryStats
+from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
+from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
+from ..models import ModelConfig
+from ..runtime.parallel import ParallelContext
 
 
 class Executor(Protocol):
@@ -30,3 +34,17 @@ class Executor(Protocol):
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
 
     def memory_stats(self) -> dict[str, MemoryStats]: ...
+
+
+class AgentFactory(Protocol):
+    """Builds one rank's agent; ``ModelAgent`` itself is the one every executor uses unless
+    given another (a test passes a wrapped agent; for worker processes and Ray actors it
+    must pickle, by reference)."""
+
+    def __call__(
+        self,
+        config: EngineConfig,
+        *,
+        parallel: ParallelContext | None = None,
+        model_config: ModelConfig | None = None,
+    ) -> ModelAgent: ...

@@ -19,8 +19,7 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector
-from ..agent.agent import AgentInfo, MemoryStats
+from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
 from ..errors import WorkerError, WorkerExited, WorkerFailed
@@ -29,6 +28,7 @@ from ..ipc.weights_file import remove_weights_dir, write_weights_dir
 from ..ipc.wire import Channel, encode
 from ..models import load_model_config
 from ..runtime.parallel import free_port
+from .base import AgentFactory
 from .mp_calls import Call, StepTimings
 from .mp_messages import Fatal, Loaded, Request, Response
 from .worker import CheckWeights, Command, Execute, RankSpec, Sleep, UpdateWeights, Wakeup
@@ -61,14 +61,14 @@ class MPExecutor:
     def __init__(
         self,
         config: EngineConfig,
-        faults: FaultInjector | None = None,
         *,
         shutdown_timeout: float = 10.0,
+        agent_factory: AgentFactory = ModelAgent,
     ) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.shutdown_timeout = shutdown_timeout
-        self._faults = faults
+        self.agent_factory = agent_factory
         self._ranks: list[_Rank] = []
         self._calls: dict[int, Call] = {}
         self._ids = itertools.count(1)
@@ -89,7 +89,6 @@ class MPExecutor:
         """Start the workers; ``started(info)`` once all serve; returns only when cancelled."""
         n = self.world_size
         init_method = f"tcp://127.0.0.1:{free_port()}" if n > 1 else None
-        follow = self._faults is not None
         try:
             async with anyio.create_task_group() as tg:
                 for rank in range(n):
@@ -98,7 +97,9 @@ class MPExecutor:
                 # While the workers import torch; this process has transformers already.
                 model_config = await anyio.to_thread.run_sync(load_model_config, self.config.model)
                 for r in self._ranks:
-                    spec = RankSpec(self.config, r.rank, n, init_method, follow, model_config)
+                    spec = RankSpec(
+                        self.config, r.rank, n, init_method, model_config, self.agent_factory
+                    )
                     await r.channel.send(spec)
                     tg.start_soon(self._read, r)
                 for r in self._ranks:
@@ -184,12 +185,7 @@ class MPExecutor:
     # -- the Executor calls -----------------------------------------------------------
 
     async def execute(self, batch: StepBatch) -> StepResult:
-        plan = None
-        if self._faults is not None:
-            self._faults.num_steps += 1  # the test reads the count here
-            plan = self._faults.plan()
-        num_steps = self._faults.num_steps - 1 if self._faults is not None else 0
-        results = await self._broadcast(Execute(batch, num_steps, plan))
+        results = await self._broadcast(Execute(batch))
         result: StepResult = results[0]
         return result
 

@@ -22,13 +22,13 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector
-from ..agent.agent import AgentInfo, MemoryStats
+from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
 from ..errors import WorkerError, WorkerExited, WorkerFailed
 from ..models import load_model_config
 from . import ray_cluster
+from .base import AgentFactory
 from .ray_actor import ACTOR_OPTIONS, RankActor
 from .worker import Execute, RankSpec, Sleep, Wakeup
 
@@ -40,10 +40,10 @@ FAULT_GRACE = 0.5  # seconds for a lost rank's own error to arrive before a peer
 class RayExecutor:
     """Runs ``tensor_parallel_size`` ``RankActor`` actors; rank 0's tokens are the step's."""
 
-    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, agent_factory: AgentFactory = ModelAgent) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
-        self._faults = faults
+        self.agent_factory = agent_factory
         self.actors: list[Any] = []  # ray.actor.ActorHandle per rank
         self.node_ids: list[str] = []  # the Ray node of each rank
         self.pids: list[int] = []  # the process of each rank's actor
@@ -81,12 +81,7 @@ class RayExecutor:
     # -- the Executor protocol -------------------------------------------------------
 
     async def execute(self, batch: StepBatch) -> StepResult:
-        plan, num_steps = None, 0
-        if self._faults is not None:  # tests: every rank follows the test's plan
-            num_steps = self._faults.num_steps
-            self._faults.num_steps += 1
-            plan = self._faults.plan()
-        results = await self._gather("handle", Execute(batch, num_steps, plan), step=True)
+        results = await self._gather("handle", Execute(batch), step=True)
         result: StepResult = results[0]
         return result
 
@@ -222,12 +217,18 @@ class RayExecutor:
         if self.world_size > 1:  # rank 0's node hosts the rendezvous
             port = ray.get(self.actors[0].free_port.remote())
             init_method = f"tcp://{where[0][1]}:{port}"
-        follow = self._faults is not None
         # Read here (the engine has transformers imported): the ranks skip its imports.
         model_config = load_model_config(self.config.model)
         self._serving = [
             actor.serve.remote(
-                RankSpec(self.config, rank, self.world_size, init_method, follow, model_config)
+                RankSpec(
+                    self.config,
+                    rank,
+                    self.world_size,
+                    init_method,
+                    model_config,
+                    self.agent_factory,
+                )
             )
             for rank, actor in enumerate(self.actors)
         ]

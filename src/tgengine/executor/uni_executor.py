@@ -6,17 +6,17 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector
 from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
+from .base import AgentFactory
 
 
 class UniExecutor:
-    """Runs a single in-process ModelAgent as its only child."""
+    """Runs a single in-process ModelAgent (``agent_factory(config)``) as its only child."""
 
-    def __init__(self, config: EngineConfig, faults: FaultInjector | None = None) -> None:
-        self.agent = ModelAgent(config, faults)
+    def __init__(self, config: EngineConfig, *, agent_factory: AgentFactory = ModelAgent) -> None:
+        self.agent = agent_factory(config)
 
     def prepare(self) -> None:
         self.agent.prepare()

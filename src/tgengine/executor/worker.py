@@ -15,12 +15,12 @@ import anyio
 import anyio.abc
 import torch
 
-from .._faults import FaultInjector, FaultPlan
 from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
 from ..models import ModelConfig, iter_safetensors
 from ..runtime.parallel import ParallelContext, destroy_distributed, init_distributed
+from .base import AgentFactory
 
 LEAVE_GROUP_TIMEOUT = 2.0  # seconds; a peer that died can wedge the group's teardown
 
@@ -33,27 +33,24 @@ class RankSpec:
     """Everything a rank needs to start: what to load and where it sits in the group.
 
     ``init_method`` is the group's rendezvous (``tcp://127.0.0.1:PORT`` on one machine);
-    None at ``world_size`` 1. ``follow_faults``: a test injects faults (see ``Execute``).
-    ``model_config``: config.json as the executor read it (None: the rank reads it; that
-    imports transformers, seconds of a worker's start).
+    None at ``world_size`` 1. ``model_config``: config.json as the executor read it (None:
+    the rank reads it; that imports transformers, seconds of a worker's start).
+    ``agent_factory`` builds the rank's agent (it crosses to the rank by reference).
     """
 
     config: EngineConfig
     rank: int
     world_size: int
     init_method: str | None = None
-    follow_faults: bool = False
     model_config: ModelConfig | None = None
+    agent_factory: AgentFactory = ModelAgent
 
 
 @dataclass(frozen=True)
 class Execute:
-    """One forward step. ``faults`` (tests only) is the test's plan as of this step, and
-    ``num_steps`` the steps before it."""
+    """One forward step."""
 
     batch: StepBatch
-    num_steps: int = 0
-    faults: FaultPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,6 @@ class RankWorker:
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        self._faults = FaultInjector() if spec.follow_faults else None
         self._agent: ModelAgent | None = None
         self._weights: tuple[str, list[tuple[str, torch.Tensor]]] | None = None
 
@@ -123,8 +119,8 @@ class RankWorker:
                 abandon_on_cancel=True,
             )
         try:
-            self._agent = ModelAgent(
-                spec.config, self._faults, parallel=parallel, model_config=spec.model_config
+            self._agent = spec.agent_factory(
+                spec.config, parallel=parallel, model_config=spec.model_config
             )
             async with anyio.create_task_group() as tg:
                 info = await tg.start(self._agent.run)
@@ -142,29 +138,25 @@ class RankWorker:
             raise RuntimeError(f"rank {self.spec.rank} is not running")
         if not isinstance(command, (CheckWeights, UpdateWeights)):
             self._weights = None  # a check that failed elsewhere: let go of its tensors
-        if isinstance(command, Execute):
-            if self._faults is not None and command.faults is not None:
-                self._faults.follow(
-                    command.faults, rank=self.spec.rank, num_steps=command.num_steps
-                )
-            result: StepResult = await agent.execute(command.batch)
-            return result
-        if isinstance(command, Sleep):
-            await agent.sleep(command.level)
-            return None
-        if isinstance(command, Wakeup):
-            return await agent.wakeup(command.tag)
-        if isinstance(command, CheckWeights):
-            await agent.check_weights(await self._named(command.source))
-            return None
-        if isinstance(command, UpdateWeights):
-            named = await self._named(command.source)
-            self._weights = None
-            await agent.update_weights(named)
-            return None
-        if isinstance(command, GetMemoryStats):
-            return self.memory_stats()
-        raise TypeError(f"not a worker command: {type(command).__name__}")
+        match command:
+            case Execute(batch):
+                result: StepResult = await agent.execute(batch)
+                return result
+            case Sleep(level):
+                await agent.sleep(level)
+            case Wakeup(tag):
+                return await agent.wakeup(tag)
+            case CheckWeights(source):
+                await agent.check_weights(await self._named(source))
+            case UpdateWeights(source):
+                named = await self._named(source)
+                self._weights = None
+                await agent.update_weights(named)
+            case GetMemoryStats():
+                return self.memory_stats()
+            case _:
+                raise TypeError(f"not a worker command: {type(command).__name__}")
+        return None
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         """This rank's figures; keyed ``rank{r}:{device}`` in a group of several ranks."""

@@ -15,7 +15,6 @@ import sys
 import anyio
 from anyio.abc import UNIXSocketStream
 
-from .._faults import FaultInjector
 from ..engine.engine import Engine
 from ..ipc.spawn import child_args
 from ..ipc.wire import Channel
@@ -33,7 +32,8 @@ async def serve_parent(sock: socket.socket) -> BaseException | None:
             return None  # the parent left before it said anything
         if not isinstance(setup, Setup) or rest:
             raise TypeError(f"expected Setup alone first, got {type(setup).__name__}")
-        engine = Engine(setup.config, _faults=FaultInjector.from_plan(setup.faults))
+        factory = setup.executor_factory
+        engine = Engine(setup.config, executor=factory(setup.config) if factory else None)
         return await EngineHost(engine, channel).run()
     finally:
         with anyio.CancelScope(shield=True):

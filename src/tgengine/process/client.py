@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
 
-from .._faults import FaultInjector
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
 from ..engine.request_stats import EngineObserver
@@ -28,6 +27,7 @@ from ..errors import (
     IllegalStateError,
     describe_status,
 )
+from ..executor import Executor
 from ..ipc.spawn import spawn_child
 from ..ipc.weights_file import remove_weights_dir, write_weights_dir
 from ..ipc.wire import Channel
@@ -71,7 +71,8 @@ class ProcessEngine:
     inside its engine — every admitted request ends with its ``"error"`` chunk and
     ``run()`` raises ``EngineDeadError``; its ``__cause__`` is the engine's exception, or
     ``EngineProcessExited`` with the exit status. The child exits by itself within a few
-    seconds of this process dying.
+    seconds of this process dying. ``executor_factory`` (picklable: it crosses to the
+    child) builds the child engine's executor, as ``Engine``'s ``executor`` argument.
     """
 
     def __init__(
@@ -79,12 +80,12 @@ class ProcessEngine:
         config: EngineConfig,
         *,
         shutdown_timeout: float = 10.0,
-        _faults: FaultInjector | None = None,
+        executor_factory: Callable[[EngineConfig], Executor] | None = None,
     ) -> None:
         self.config = config
         self.shutdown_timeout = shutdown_timeout
         self.pid: int | None = None
-        self._faults = _faults.plan() if _faults is not None else None
+        self._executor_factory = executor_factory
         self._state = S.STARTING
         self._run_called = False
         self._stopping = False
@@ -127,7 +128,7 @@ class ProcessEngine:
                         self._apply,
                         self._dispatch,
                     )
-                    self._send(Setup(self.config, self._faults))
+                    self._send(Setup(self.config, self._executor_factory))
                     tokenizer = await anyio.to_thread.run_sync(
                         load_tokenizer,
                         self.config.tokenizer or self.config.model,
@@ -226,7 +227,7 @@ class ProcessEngine:
         request_id: str | None = None,
     ) -> RemoteStream:
         """Admit one request and return the stream of its chunks; as ``Engine.generate``."""
-        self._check_admission()
+        self.check_admission()
         assert self._admission is not None
         params = params or SamplingParams()
         token_ids = self._admission.token_ids(prompt, params)
@@ -238,7 +239,8 @@ class ProcessEngine:
         if self._admission is not None and params.structured_outputs is not None:
             await anyio.to_thread.run_sync(self._admission.compile, params)
 
-    def _check_admission(self) -> None:
+    def check_admission(self) -> None:
+        """Raise what ``generate`` would raise now (before any chunk); admit nothing."""
         state = self._state
         if state in (S.STOPPING, S.STOPPED):
             raise EngineStoppedError(str(state))

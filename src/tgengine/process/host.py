@@ -184,7 +184,7 @@ class EngineHost:
         ):
             self._memory, self._memory_time = engine.memory_stats(), now
         try:
-            engine._check_admission()  # the parent admits on the engine's terms
+            engine.check_admission()  # the parent admits on the engine's terms
             refusal = None
         except TGEngineError as exc:
             refusal = portable(exc)

@@ -8,13 +8,14 @@ the frame was sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._faults import FaultPlan
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
 from ..engine.request_stats import RequestStats
+from ..executor import Executor
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..state import EngineState
@@ -23,8 +24,10 @@ from ..stats import EngineStats
 
 @dataclass(frozen=True)
 class Setup:
+    """The engine to run: ``Engine(config)``, on ``executor_factory(config)`` if given."""
+
     config: EngineConfig
-    faults: FaultPlan | None = None
+    executor_factory: Callable[[EngineConfig], Executor] | None = None
 
 
 @dataclass(frozen=True)
