@@ -11,7 +11,6 @@ call fails at once with a ``WorkerError`` that names the rank (the engine dies o
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any
 
@@ -23,14 +22,15 @@ from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
 from ..errors import WorkerError, WorkerExited, WorkerFailed
+from ..ipc.calls import CallTracker, Reply
 from ..ipc.spawn import spawn_child
 from ..ipc.weights_file import remove_weights_dir, write_weights_dir
 from ..ipc.wire import Channel, encode
 from ..models import load_model_config
 from ..runtime.parallel import free_port
 from .base import AgentFactory
-from .mp_calls import Call, StepTimings
-from .mp_messages import Fatal, Loaded, Request, Response
+from .mp_messages import Fatal, Loaded, Memory
+from .mp_timings import StepTimings
 from .worker import CheckWeights, Command, Execute, RankSpec, Sleep, UpdateWeights, Wakeup
 
 WORKER_MODULE = "tgengine.executor.mp_worker"
@@ -70,8 +70,7 @@ class MPExecutor:
         self.shutdown_timeout = shutdown_timeout
         self.agent_factory = agent_factory
         self._ranks: list[_Rank] = []
-        self._calls: dict[int, Call] = {}
-        self._ids = itertools.count(1)
+        self._calls = CallTracker()
         self._send_lock = anyio.Lock()
         self._memory: dict[int, dict[str, MemoryStats]] = {}
         self._fault: BaseException | None = None
@@ -123,22 +122,23 @@ class MPExecutor:
         """Dispatch rank ``r``'s messages; raises once it is gone (or failed)."""
         try:
             while True:
-                message = await r.channel.receive()
-                if isinstance(message, Response):
-                    self._answer(r.rank, message)
-                elif isinstance(message, Loaded):
-                    r.info = message.info
-                    self._memory[r.rank] = message.memory
-                    r.loaded.set()
-                elif isinstance(message, Fatal):
-                    error = message.error
-                    if not r.loaded.is_set():  # failed loading: the error as it is
-                        error.add_note(f"(in the rank {r.rank} worker)")
-                        raise error
-                    failed = WorkerFailed(r.rank, error)
-                    if self._lose(failed):
-                        return  # the pending step raises it: the engine dies of it at once
-                    raise failed
+                match await r.channel.receive():
+                    case Reply() as reply:
+                        self._answer(r.rank, reply)
+                    case Memory(stats):
+                        self._memory[r.rank] = stats
+                    case Loaded(info, _, memory):
+                        r.info = info
+                        self._memory[r.rank] = memory
+                        r.loaded.set()
+                    case Fatal(error):
+                        if not r.loaded.is_set():  # failed loading: the error as it is
+                            error.add_note(f"(in the rank {r.rank} worker)")
+                            raise error
+                        failed = WorkerFailed(r.rank, error)
+                        if self._lose(failed):
+                            return  # the pending step raises it: the engine dies of it at once
+                        raise failed
         except anyio.EndOfStream:
             with anyio.move_on_after(EXIT_STATUS_WAIT):
                 await r.process.wait()
@@ -147,25 +147,17 @@ class MPExecutor:
                 return
             raise lost from None
 
-    def _answer(self, rank: int, response: Response) -> None:
-        if response.memory is not None:
-            self._memory[rank] = response.memory
-        call = self._calls.get(response.call_id)
-        if call is None:
-            return  # its caller was cancelled
-        if response.error is not None:
-            error = response.error
-            call.fail(rank, WorkerFailed(rank, error) if call.is_step else error)
-            return
-        call.answer(rank, response.result, response.elapsed)
+    def _answer(self, rank: int, reply: Reply) -> None:
+        call = self._calls.get(reply.call_id)
+        if call is not None and reply.error is not None and isinstance(call.command, Execute):
+            reply = dataclasses.replace(reply, error=WorkerFailed(rank, reply.error))
+        self._calls.reply(reply, rank)
 
     def _lose(self, lost: WorkerError) -> bool:
         """Fail every pending call with ``lost``; True when a step was among them."""
         self._fault = self._fault or lost
-        had_step = False
-        for call in self._calls.values():
-            had_step = had_step or call.is_step
-            call.fail(lost.rank, lost)
+        had_step = any(isinstance(call.command, Execute) for call in self._calls)
+        self._calls.fail_all(lost.rank, lambda: lost, lost=isinstance(lost, WorkerExited))
         return had_step
 
     async def _reap(self) -> None:
@@ -218,34 +210,32 @@ class MPExecutor:
         """Send ``command`` to every rank (one pickle); their results by rank."""
         if self._fault is not None:
             raise self._fault
-        call_id = next(self._ids)
-        call = self._calls[call_id] = Call(len(self._ranks), isinstance(command, Execute))
+        is_step = isinstance(command, Execute)
         start = time.perf_counter()
-        try:
-            frame = encode(Request(call_id, command))
-            async with self._send_lock:
-                for r in self._ranks:
-                    try:
-                        await r.channel.send_encoded(frame)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        pass  # that worker is gone: its reader fails this call
-            await call.done.wait()
-            if call.errors:
-                with anyio.move_on_after(SETTLE_TIMEOUT):
-                    await call.settled.wait()
-        except BaseException:
-            if not call.settled.is_set():
-                self._abandoned = True  # a rank may still be in it: do not wait long for it
-            raise
-        finally:
-            del self._calls[call_id]
+        with self._calls.open(command, len(self._ranks)) as (request, call):
+            try:
+                frame = encode(request)
+                async with self._send_lock:
+                    for r in self._ranks:
+                        try:
+                            await r.channel.send_encoded(frame)
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                            pass  # that worker is gone: its reader fails this call
+                await call.done.wait()
+                if call.errors:
+                    with anyio.move_on_after(SETTLE_TIMEOUT):
+                        await call.settled.wait()
+            except BaseException:
+                if not call.settled.is_set():
+                    self._abandoned = True  # a rank may still be in it: do not wait long
+                raise
         if call.error is not None:
-            if call.is_step:  # the engine dies of it: the other ranks may be stuck
+            if is_step:  # the engine dies of it: the other ranks may be stuck
                 self._fault = self._fault or call.error
             raise call.error
-        if call.is_step:
+        if is_step:
             self.timings.add(time.perf_counter() - start, call.elapsed)
-        return [call.results[rank] for rank in range(len(self._ranks))]
+        return call.results_by_peer()
 
 
 def _released(memory: dict[str, MemoryStats]) -> dict[str, MemoryStats]:

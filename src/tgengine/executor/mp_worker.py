@@ -1,11 +1,12 @@
 """A worker process of the ``mp`` executor: ``python -m tgengine.executor.mp_worker --fd N``.
 
 The parent passes one end of a socket pair as file descriptor ``N`` and sends a
-``RankSpec`` on it first; the worker answers ``Loaded`` and then one ``Response`` per
-``Request``, in order. It stops when the parent closes the socket, and exits by itself
-within a few seconds of the parent dying (``ParentWatch``). Exit status: 0 after a clean
-stop, 1 when the rank failed (the parent got ``Fatal``), 2 for a broken start, 3 from the
-orphan watchdog. SIGINT and SIGTERM are ignored: the parent decides when ranks stop.
+``RankSpec`` on it first; the worker answers ``Loaded`` and then one ``Reply`` per
+``Request``, in order (``mp_messages``). It stops when the parent closes the socket, and
+exits by itself within a few seconds of the parent dying (``ParentWatch``). Exit status:
+0 after a clean stop, 1 when the rank failed (the parent got ``Fatal``), 2 for a broken
+start, 3 from the orphan watchdog. SIGINT and SIGTERM are ignored: the parent decides when
+ranks stop.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import anyio.abc
 from anyio.abc import UNIXSocketStream
 
 from ..agent.agent import AgentInfo
+from ..ipc.calls import Reply, Request
 from ..ipc.orphan import ParentWatch
 from ..ipc.portable import portable
 from ..ipc.spawn import child_args
 from ..ipc.wire import Channel
 from ..runtime.task_status import StartedOnce
-from .mp_messages import Fatal, Loaded, Request, Response
+from .mp_messages import Fatal, Loaded, Memory
 from .worker import Execute, RankSpec, RankWorker
 
 MEMORY_EVERY = 0.5  # seconds between memory figures sent with step replies
@@ -97,11 +99,11 @@ async def _obey(worker: RankWorker, channel: Channel, parent: ParentWatch) -> No
         except Exception as exc:  # the command's failure is the parent's to report
             error = portable(exc, with_traceback=True)
         elapsed = time.perf_counter() - start
-        memory = None
         now = anyio.current_time()
         if not isinstance(request.command, Execute) or now - memory_time >= MEMORY_EVERY:
-            memory, memory_time = worker.memory_stats(), now
-        await _send(channel, parent, Response(request.call_id, result, error, memory, elapsed))
+            memory_time = now
+            await _send(channel, parent, Memory(worker.memory_stats()))
+        await _send(channel, parent, Reply(request.call_id, result, error, elapsed))
 
 
 async def _send(channel: Channel, parent: ParentWatch, message: object) -> None:

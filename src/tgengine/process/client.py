@@ -28,6 +28,7 @@ from ..errors import (
     describe_status,
 )
 from ..executor import Executor
+from ..ipc.calls import CallTracker, Reply
 from ..ipc.spawn import spawn_child
 from ..ipc.weights_file import remove_weights_dir, write_weights_dir
 from ..ipc.wire import Channel
@@ -39,18 +40,22 @@ from ..tokenization.tokenizer import load_tokenizer
 from .admission import Admission
 from .connection import Connection
 from .messages import (
+    ControlCommand,
     Final,
     Output,
+    Pause,
     Ready,
     Refused,
-    Reply,
     RequestFinished,
+    Resume,
     Setup,
+    Sleep,
     Snapshot,
     StepFinished,
     Stop,
+    UpdateWeights,
+    Wakeup,
 )
-from .remote_calls import RemoteCalls
 from .remote_requests import RemoteRequests
 from .remote_stream import RemoteStream
 
@@ -58,8 +63,6 @@ if TYPE_CHECKING:
     import torch
 
 S = EngineState
-# How an IllegalStateError names a call, as Engine's do ("cannot wake up while ...").
-ACTIONS = {"wakeup": "wake up", "update_weights": "update weights"}
 
 
 class ProcessEngine:
@@ -99,7 +102,7 @@ class ProcessEngine:
         self._connection = Connection()
         self._send = self._connection.send
         self._requests = RemoteRequests(self._send)
-        self._calls = RemoteCalls(self._send)
+        self._calls = CallTracker()  # control calls awaiting the engine process's reply
         self._started = anyio.Event()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -215,7 +218,7 @@ class ProcessEngine:
                 return EngineDeadError((error or "").removeprefix("engine died: "))
             return IllegalStateError("finish the call", str(state))
 
-        self._calls.fail_all(call_error)
+        self._calls.fail_all(0, call_error)
 
     # -- requests -------------------------------------------------------------------
 
@@ -260,37 +263,46 @@ class ProcessEngine:
 
     async def pause(self, mode: Literal["abort", "drain", "keep"] = "abort") -> None:
         """As ``Engine.pause``, in the engine process."""
-        await self._call("pause", mode)
+        await self._call("pause", Pause(mode))
 
     async def resume(self) -> None:
         """As ``Engine.resume``, in the engine process."""
-        await self._call("resume")
+        await self._call("resume", Resume())
 
     async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
         """As ``Engine.sleep``: returns once the engine process has released the memory."""
-        await self._call("sleep", level, mode)
+        await self._call("sleep", Sleep(level, mode))
 
     async def wakeup(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         """As ``Engine.wakeup``, in the engine process."""
-        await self._call("wakeup", (tags,) if isinstance(tags, str) else tuple(tags))
+        await self._call("wake up", Wakeup((tags,) if isinstance(tags, str) else tuple(tags)))
 
     async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
         """As ``Engine.update_weights``. Tensors travel as one safetensors file (in
         ``/dev/shm`` where it exists), written in a thread and removed afterwards."""
         if isinstance(source, (str, Path)):
-            await self._call("update_weights", str(source))
+            await self._call("update weights", UpdateWeights(str(source)))
             return
         named = list(source)
         path = await anyio.to_thread.run_sync(write_weights_dir, named)
         try:
-            await self._call("update_weights", str(path))
+            await self._call("update weights", UpdateWeights(str(path)))
         finally:
             remove_weights_dir(path)
 
-    async def _call(self, method: str, *args: Any) -> None:
+    async def _call(self, action: str, command: ControlCommand) -> None:
+        """Send ``command`` and wait for its reply; raise the error it carries. ``action``
+        names the call in an ``IllegalStateError``, as Engine's do ("cannot wake up ...").
+
+        Cancellation stops the wait only: the call may still run in the engine process.
+        """
         if self._state in (S.STARTING, S.STOPPED, S.DEAD) or self._connection.lost.is_set():
-            raise IllegalStateError(ACTIONS.get(method, method), str(self._state))
-        await self._calls.call(method, *args)
+            raise IllegalStateError(action, str(self._state))
+        with self._calls.open(command) as (request, call):
+            self._send(request)
+            await call.done.wait()
+        if call.error is not None:
+            raise call.error
 
     # -- introspection --------------------------------------------------------------
 
@@ -360,22 +372,23 @@ class ProcessEngine:
             self._state = snapshot.state
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, Output):
-            self._requests.deliver(message)
-        elif isinstance(message, Refused):
-            self._requests.refuse(message, self.weight_version)
-        elif isinstance(message, StepFinished):
-            for observer in self.observers:
-                observer.step_finished(message.num_batched_tokens)
-        elif isinstance(message, RequestFinished):
-            for observer in self.observers:
-                observer.request_finished(message.stats)
-        elif isinstance(message, Reply):
-            self._calls.reply(message)
-        elif isinstance(message, Ready):
-            self._ready = message
-            if self._snapshot is not None and self._state is S.STARTING:
-                self._state = self._snapshot.state
-            self._started.set()
-        elif isinstance(message, Final):
-            self._final = message
+        match message:
+            case Output():
+                self._requests.deliver(message)
+            case Refused():
+                self._requests.refuse(message, self.weight_version)
+            case StepFinished(num_batched_tokens):
+                for observer in self.observers:
+                    observer.step_finished(num_batched_tokens)
+            case RequestFinished(stats):
+                for observer in self.observers:
+                    observer.request_finished(stats)
+            case Reply():
+                self._calls.reply(message)
+            case Ready():
+                self._ready = message
+                if self._snapshot is not None and self._state is S.STARTING:
+                    self._state = self._snapshot.state
+                self._started.set()
+            case Final():
+                self._final = message

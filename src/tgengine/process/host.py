@@ -20,25 +20,29 @@ from ..engine.engine import Engine
 from ..engine.request_stats import RequestStats
 from ..engine.stream import RequestStream
 from ..errors import EngineDeadError, TGEngineError
+from ..ipc.calls import Reply, Request
 from ..ipc.orphan import ParentWatch
 from ..ipc.portable import portable
 from ..ipc.wire import Channel
 from ..runtime.task_status import StartedOnce
 from .messages import (
-    CONTROL_METHODS,
     Abort,
-    Call,
+    ControlCommand,
     Final,
     Frame,
     Generate,
     Output,
+    Pause,
     Ready,
     Refused,
-    Reply,
     RequestFinished,
+    Resume,
+    Sleep,
     Snapshot,
     StepFinished,
     Stop,
+    UpdateWeights,
+    Wakeup,
 )
 
 HEARTBEAT = 0.5  # seconds between snapshots while nothing else is sent
@@ -109,14 +113,15 @@ class EngineHost:
                 control.cancel_scope.cancel()  # cancelling the engine is stop(grace=0)
                 return
             for message in batch:
-                if isinstance(message, Generate):
-                    self._generate(message, forwarders)
-                elif isinstance(message, Abort):
-                    self.engine.abort(message.request_id)
-                elif isinstance(message, Call):
-                    control.start_soon(self._call, message)
-                elif isinstance(message, Stop):
-                    self.engine.stop(message.grace)
+                match message:
+                    case Generate():
+                        self._generate(message, forwarders)
+                    case Abort(request_id):
+                        self.engine.abort(request_id)
+                    case Request():
+                        control.start_soon(self._call, message)
+                    case Stop(grace):
+                        self.engine.stop(grace)
 
     def _generate(self, message: Generate, forwarders: anyio.abc.TaskGroup) -> None:
         try:
@@ -133,15 +138,29 @@ class EngineHost:
             async for chunk in stream:
                 self._send(Output(key, chunk))
 
-    async def _call(self, message: Call) -> None:
+    async def _call(self, request: Request) -> None:
         error: BaseException | None = None
         try:
-            if message.method not in CONTROL_METHODS:
-                raise ValueError(f"not a control method: {message.method!r}")
-            await getattr(self.engine, message.method)(*message.args)
+            await self._control(request.command)
         except Exception as exc:  # the caller's error, raised in the parent
             error = portable(exc)
-        self._send(Reply(message.call_id, error))
+        self._send(Reply(request.call_id, error=error))
+
+    async def _control(self, command: ControlCommand) -> None:
+        engine = self.engine
+        match command:
+            case Pause(mode):
+                await engine.pause(mode)
+            case Resume():
+                await engine.resume()
+            case Sleep(level, mode):
+                await engine.sleep(level, mode)
+            case Wakeup(tags):
+                await engine.wakeup(tags)
+            case UpdateWeights(source):
+                await engine.update_weights(source)
+            case _:
+                raise TypeError(f"not a control command: {type(command).__name__}")
 
     def _send(self, message: Any) -> None:
         self._outbox.send_nowait(message)

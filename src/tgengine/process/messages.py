@@ -1,16 +1,17 @@
 """The messages between ``ProcessEngine`` (parent) and ``EngineHost`` (engine process).
 
-Parent → engine: ``Setup`` (first, once), ``Generate``, ``Abort``, ``Call``, ``Stop``.
-Engine → parent: frames, each a list of ``Ready``, ``Output``, ``Refused``, ``Reply``,
-``RequestFinished``, ``StepFinished`` or ``Final`` messages and the ``Snapshot`` taken as
-the frame was sent.
+Parent → engine: ``Setup`` (first, once), ``Generate``, ``Abort``, ``Stop``, and control
+calls: an ``ipc.calls.Request`` holding one of ``Pause``, ``Resume``, ``Sleep``, ``Wakeup``,
+``UpdateWeights`` (``ControlCommand``). Engine → parent: frames, each a list of ``Ready``,
+``Output``, ``Refused``, ``ipc.calls.Reply``, ``RequestFinished``, ``StepFinished`` or
+``Final`` messages and the ``Snapshot`` taken as the frame was sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
@@ -44,13 +45,34 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class Call:
-    call_id: int
-    method: str  # one of CONTROL_METHODS
-    args: tuple[Any, ...]
+class Pause:
+    mode: Literal["abort", "drain", "keep"]
 
 
-CONTROL_METHODS = frozenset({"pause", "resume", "sleep", "wakeup", "update_weights"})
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True)
+class Sleep:
+    level: int
+    mode: Literal["abort", "drain"]
+
+
+@dataclass(frozen=True)
+class Wakeup:
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    """A directory of safetensors (the parent writes tensors to one in ``/dev/shm``)."""
+
+    source: str
+
+
+ControlCommand = Pause | Resume | Sleep | Wakeup | UpdateWeights
 
 
 @dataclass(frozen=True)
@@ -88,12 +110,6 @@ class Output:
 class Refused:
     key: int
     error: BaseException
-
-
-@dataclass(frozen=True)
-class Reply:
-    call_id: int
-    error: BaseException | None
 
 
 @dataclass(frozen=True)
