@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sampling",),  # SamplingParams (it holds a StructuredOutputsParams)
     ("structured_outputs",),  # grammars, matchers, bitmasks
     ("tokenization",),
-    ("runtime", "config", "errors", "outputs", "state", "stats", "_faults"),
+    ("runtime", "config", "errors", "outputs", "state", "stats"),
 )
 
 # The top level holds the public API only.
@@ -60,7 +60,6 @@ TOP_LEVEL = {
     "state",
     "stats",
     "open_engine",
-    "_faults",  # ALLOW-LIST: until the faults-seam work removes it (issue 31, item 3)
 }
 
 # ALLOW-LIST, removed by the lead at integration (issue 31). Each is an exact finding.
@@ -69,21 +68,7 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"models.architectures", "models.config", "models.config_cache"}),
     frozenset({"models.fused_decode", "models.llama"}),
 }
-# process/ mixes two layers until its plumbing moves to ipc/: executor/ uses it (and its
-# errors, until the one error tree), and so runs process/__init__ too.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("executor.errors", "process"),
-    ("executor.errors", "process.errors"),
-    ("executor.mp_executor", "process"),
-    ("executor.mp_executor", "process.spawn"),
-    ("executor.mp_executor", "process.weights_file"),
-    ("executor.mp_executor", "process.wire"),
-    ("executor.mp_worker", "process"),
-    ("executor.mp_worker", "process.errors"),
-    ("executor.mp_worker", "process.orphan"),
-    ("executor.mp_worker", "process.spawn"),
-    ("executor.mp_worker", "process.wire"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 KNOWN_LONG: set[str] = set()
 
 
