@@ -1,5 +1,6 @@
 """``python -m tgengine bench throughput | latency | lifecycle | batch32 | parity | structured``.
 
+(and ``rl``, registered from ``tgengine.bench.rl`` with its own options and report.)
 Each subcommand runs one bench (``tgengine.bench``) in this process, prints its table, and
 with ``--out DIR`` writes ``<bench>.json``, ``<bench>.txt`` and ``<bench>.png`` there.
 ``--quick`` shrinks every size so that a run on a tiny model takes seconds (tests, smoke
@@ -283,6 +284,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--decode-tokens", type=int, help="tokens per request (default: 16)")
     _peer_options(p, memory=True)
     p.set_defaults(handler=run, runner=_memory)
+
+    from ..bench.rl import add_parser as add_rl  # its own options and report
+
+    add_rl(benches)
 
 
 def _pick(value: Any, normal: Any, quick: Any, args: argparse.Namespace) -> Any:

@@ -85,6 +85,7 @@ class EngineSupervisor:
         self._stop_grace = 0.0
         self._stop_event = anyio.Event()
         self._started = False
+        self._served = anyio.Event()  # set (and replaced) each time an engine starts serving
         self.observers: list[EngineObserver] = []  # shared by every engine it starts
 
     async def run(
@@ -120,6 +121,8 @@ class EngineSupervisor:
                 served = True
                 self._engine = self._last = engine
                 self._cause = None
+                served_event, self._served = self._served, anyio.Event()
+                served_event.set()
                 if self._stopping:
                     engine.stop(self._stop_grace)
                 if not self._started:
@@ -130,6 +133,16 @@ class EngineSupervisor:
         finally:
             self._engine = None
         return served, None
+
+    async def wait_serving(self, min_restarts: int = 0) -> None:
+        """Return once an engine serves and at least ``min_restarts`` restarts happened.
+
+        An RL loop that caught ``EngineDeadError`` waits here with the count it saw before,
+        then pushes its weights again (a new engine starts from the model directory's).
+        Cancellation just stops the wait.
+        """
+        while self._engine is None or self.num_restarts < min_restarts:
+            await self._served.wait()
 
     def stop(self, grace: float = 0.0) -> None:
         """Stop the engine (``grace`` for its requests) and stop restarting; idempotent."""

@@ -1,0 +1,1 @@
+"""Runnable examples of tgengine in the loops its users run (``python -m tgengine.examples.rl``)."""
