@@ -8,6 +8,7 @@ The trainer (transformers + AdamW) and the engine share this process (or, with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -89,6 +90,7 @@ async def train(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
             engine = supervisor
         else:
             engine = await tg.start(_in_process, config)
+        gc.freeze()  # start-up's objects live for good: sleep()'s gc.collect() skips them
         loop = RLLoop(engine, trainer, prompts, reward, params, sleep_level=args.sleep_level)
         bar = _bar(args)
         try:
