@@ -102,7 +102,7 @@ class Trainer:
         """The tensors the steps change, under the checkpoint's names (what to push)."""
         return [(name, param.detach()) for name, param in self._trained]
 
-    def _logprobs(self, group: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, group: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log probabilities of each sample's tokens, ``[n, T]``, and their mask."""
         prompt = group[0].prompt_ids
         longest = max(len(s.token_ids) for s in group)
@@ -135,7 +135,7 @@ class Trainer:
         for epoch in range(self.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for g, group in enumerate(groups):
-                logp, mask = self._logprobs(group)
+                logp, mask = self.token_logprobs(group)
                 adv = torch.tensor([s.advantage for s in group]).unsqueeze(-1)
                 if epoch == 0:
                     old.append(logp.detach())
