@@ -32,7 +32,7 @@ MAX_LINES = 500
 # is the package's ``__init__``: the public API, a client of everything it re-exports.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__main__", "cli"),  # the dev runner
-    ("server", "bench"),  # applications of the public API
+    ("server", "bench", "examples"),  # applications of the public API
     ("tgengine", "open_engine"),  # the public API's re-exports and entry point
     ("process",),  # the engine in its own process: ProcessEngine, host, supervisor
     ("engine",),  # Engine, the loop, requests and streams, admission

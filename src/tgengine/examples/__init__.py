@@ -1,1 +1,1 @@
-"""Runnable examples of tgengine in the loops its users run (``python -m tgengine.examples.rl``)."""
+"""Examples of tgengine in the loops its users run; their scripts are in ``examples/``."""

@@ -1,4 +1,4 @@
-"""A GRPO loop with tgengine colocated: ``python -m tgengine.examples.rl`` (docs/rl.md)."""
+"""A GRPO loop with tgengine colocated: ``python examples/rl/train.py`` (docs/rl.md)."""
 
 from .grpo import Sample, StepStats, Trainer, group_advantages
 from .loop import CycleStats, RLLoop, RolloutError, process_counts, push_weights

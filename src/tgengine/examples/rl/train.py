@@ -1,4 +1,4 @@
-"""``python -m tgengine.examples.rl``: GRPO on SmolLM2-135M-Instruct with tgengine colocated.
+"""``python examples/rl/train.py``: GRPO on SmolLM2-135M-Instruct with tgengine colocated.
 
 The trainer (transformers + AdamW) and the engine share this process (or, with
 ``--process``, the engine runs in its own, under a supervisor that restarts it). Writes
@@ -24,7 +24,7 @@ from .task import NumberPrompt, make_prompts, number_reward
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tgengine.examples.rl", description=__doc__)
+    p = argparse.ArgumentParser(prog="python examples/rl/train.py", description=__doc__)
     p.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     p.add_argument("--steps", type=int, default=30, help="trainer steps = cycles (default: 30)")
@@ -185,11 +185,13 @@ def summary(result: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ...cli.default_model import ensure_default_model
-
+def main(argv: list[str] | None = None, *, default_model: str | None = None) -> int:
+    """Run the loop; ``default_model`` is the directory used without ``--model`` (the
+    script at ``examples/rl/train.py`` passes the CLI's default model)."""
     args = parse_args(argv)
-    model_dir = args.model or str(ensure_default_model(progress=not args.no_progress))
+    model_dir = args.model or default_model
+    if model_dir is None:
+        raise SystemExit("--model DIR is needed (examples/rl/train.py finds the default)")
     result = anyio.run(train, args, model_dir, backend=args.backend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
