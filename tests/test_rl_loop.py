@@ -10,6 +10,7 @@ one it resumes on the restarted engine with the weights it pushed last.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -151,3 +152,36 @@ async def test_supervised_engine_restarts_with_the_last_weights(long_context_dir
         # (the model directory's would differ by far more: see the in-process test).
         assert r.train.logprob_abs_diff_max < LOGPROB_TOL, r.train
     assert child_pids() == before
+
+
+def test_bench_rl_quick(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """``bench rl --quick``: three cycles, every phase timed, versions checked, files out."""
+    from tgengine.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "rl",
+            "--quick",
+            "--model",
+            str(tiny_llama_dir),
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert args.handler(args) == 0
+    result = json.loads((tmp_path / "rl.json").read_text())
+    summary = result["summary"]
+    assert summary["cycles_done"] == 3 and summary["hangs"] == 0
+    assert summary["versions_ok"] == 3 == summary["versions_equal_step"]
+    assert set(summary["median_s"]) == {
+        "generate",
+        "sleep",
+        "train",
+        "wakeup weights",
+        "push",
+        "wakeup kv_cache",
+    }
+    assert summary["open_fds_max"] > 0 and summary["logprob_abs_diff_max"] < LOGPROB_TOL
+    assert "phase" in (tmp_path / "rl.txt").read_text()
