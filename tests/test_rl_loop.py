@@ -3,7 +3,8 @@
 Three GRPO cycles in-process (rewards, changed weights that the engine follows, weight
 versions equal to the trainer's step); the trainer's and the engine's log probabilities of
 the same sampled tokens agree within ``LOGPROB_TOL`` (float32 on both sides: measured
-within 3.4e-6 on this model and 2.7e-5 on SmolLM2-135M); and the engine in its own process
+within 3.8e-6 on this model, 5.2e-6 on bench rl's over 1,000 cycles and 4.9e-5
+on SmolLM2-135M over 30 steps); and the engine in its own process
 killed mid-rollout: without a supervisor the loop raises ``EngineDeadError`` at once, with
 one it resumes on the restarted engine with the weights it pushed last.
 """

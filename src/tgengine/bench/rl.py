@@ -81,6 +81,7 @@ class KillDuringRollout:
         self._at = at * per_rollout
         self.killed_at: float | None = None
         self.killed_pid: int | None = None
+        self.error_seen_at: float | None = None  # the first "error" chunk after the kill
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -97,6 +98,8 @@ class KillDuringRollout:
                 self.killed_pid = self._engine.pid
                 self.killed_at = time.perf_counter()
                 os.kill(self.killed_pid, signal.SIGKILL)
+            if chunk.finish_reason == "error" and self.error_seen_at is None:
+                self.error_seen_at = time.perf_counter()
             yield chunk
 
 
@@ -195,7 +198,13 @@ async def _bench(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         "summary": summarize(rows, args.cycles, hangs),
     }
     if killer is not None:
-        result["fault"] = {"killed_pid": killer.killed_pid, "restarts": loop.num_restarts}
+        seen, killed = killer.error_seen_at, killer.killed_at
+        result["fault"] = {
+            "killed_pid": killer.killed_pid,
+            "restarts": loop.num_restarts,
+            "kill_to_error_chunk_s": seen - killed if seen and killed else None,
+            "restore_s": loop.restore_seconds,
+        }
     return result
 
 
@@ -279,6 +288,15 @@ def render(result: dict[str, Any]) -> str:
         f"cycles: {s['cycles_done']} of {s.get('cycles_asked')}, hangs: {s['hangs']}, "
         f"engine restarts: {s.get('restarts', 0)}",
     ]
+    fault = result.get("fault")
+    if fault:
+        to_error = fault["kill_to_error_chunk_s"]
+        lines.append(
+            f"SIGKILL of engine process {fault['killed_pid']}: the error chunk after "
+            + (f"{to_error:.3f} s" if to_error is not None else "(none seen)")
+            + ", restore (wait for the restart, re-push) "
+            + ", ".join(f"{x:.2f} s" for x in fault["restore_s"])
+        )
     if not s["cycles_done"]:
         return "\n".join(lines)
     lines += ["", f"{'phase':<18}{'median ms':>12}{'max ms':>12}"]
@@ -355,7 +373,7 @@ def add_parser(benches: Any) -> None:
     p.add_argument("--cycles", type=int, help="default: 100 (quick: 3)")
     p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     p.add_argument("--process", action="store_true", help="the engine in its own process")
-    p.add_argument("--kill-at", type=int, metavar="N", help="with --process: SIGKILL at cycle N")
+    p.add_argument("--kill-at", type=int, metavar="N", help="with --process: SIGKILL in cycle N")
     p.add_argument("--sleep-level", type=int, choices=[1, 2], default=1)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=4)

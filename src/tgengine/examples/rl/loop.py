@@ -114,6 +114,7 @@ class RLLoop:
         # (and level-2 reloads), and a restarted engine counts from 0 again.
         self.expected_version = engine.weight_version
         self.num_restarts = 0
+        self.restore_seconds: list[float] = []  # each restore: the wait and the re-push
         self._restarts_seen = getattr(engine, "num_restarts", 0)
 
     async def cycles(self, num_steps: int) -> AsyncIterator[CycleStats]:
@@ -136,11 +137,13 @@ class RLLoop:
     async def restore(self) -> None:
         """Wait for the restarted engine, then push the trainer's weights to it again."""
         engine: Any = self.engine
+        start = time.perf_counter()
         with anyio.fail_after(self.restart_timeout):
             await engine.wait_serving(self._restarts_seen + 1)
             self._restarts_seen = engine.num_restarts
             await push_weights(self.engine, self.trainer.trained_weights())
         self.num_restarts += 1
+        self.restore_seconds.append(time.perf_counter() - start)
         self.expected_version = self.engine.weight_version
 
     async def cycle(self) -> CycleStats:

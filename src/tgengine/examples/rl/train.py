@@ -136,7 +136,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         result["final"]["mean_reward"],
         color="tab:green",
         ls="--",
-        label=f"after {len(cycles)} steps (held-out draw)",
+        label=f"after {len(cycles)} steps (a fresh draw)",
     )
     axes[0].set_xlabel("trainer step of the rollout's weights")
     axes[0].set_ylabel("reward (0..1)")
