@@ -186,3 +186,15 @@ def test_bench_rl_quick(tiny_llama_dir: Path, tmp_path: Path) -> None:
     }
     assert summary["open_fds_max"] > 0 and summary["logprob_abs_diff_max"] < LOGPROB_TOL
     assert "phase" in (tmp_path / "rl.txt").read_text()
+
+
+def test_a_second_epoch_measures_the_kl_of_the_first(tiny_llama_dir: Path) -> None:
+    group = [
+        Sample([5, 6, 7], [8, 9, 10], [-1.0] * 3, advantage=1.0),
+        Sample([5, 6, 7], [11, 12], [-1.0] * 2, advantage=-1.0),
+    ]
+    one = Trainer(str(tiny_llama_dir), lr=1e-2).train_step([group])
+    two = Trainer(str(tiny_llama_dir), lr=1e-2, epochs=2).train_step([group])
+    assert one.kl is None and one.step == two.step == 1 and one.num_tokens == 5
+    assert two.kl is not None and two.kl > 0
+    assert one.loss == pytest.approx(two.loss)  # the first pass is the same in both
