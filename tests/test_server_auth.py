@@ -23,7 +23,8 @@ from tgengine.server.tokenize_routes import OPEN_PATHS
 
 pytestmark = pytest.mark.anyio
 
-EXTRA_ROUTES = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+EXTRA_ROUTES = [("GET", "/docs"), ("GET", "/redoc"), ("GET", "/no/such/route")]
+SCHEMA_PATHS = ("/openapi.json", "/docs", "/redoc")  # open, as in vLLM
 
 
 async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
@@ -35,8 +36,8 @@ async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
                 running.client(API_KEY) as user,
                 running.client(ADMIN_KEY) as admin,
             ):
-                schema = (await user.get("/openapi.json")).json()
-                routes = [
+                schema = (await anonymous.get("/openapi.json")).json()
+                routes = [("GET", "/openapi.json")] + [
                     (method.upper(), path.replace("{model}", MODEL))
                     for path, operations in schema["paths"].items()
                     for method in operations
@@ -44,10 +45,12 @@ async def test_every_route_needs_the_key(tiny_llama_dir: Path) -> None:
                 assert {path for _, path in routes} >= set(ADMIN_PATHS)
                 assert {path for _, path in routes} >= set(OPEN_PATHS)
                 for method, path in routes + EXTRA_ROUTES:
-                    if path in OPEN_PATHS:
+                    if path in OPEN_PATHS or path in SCHEMA_PATHS:
                         for client in (anonymous, wrong):
                             response = await client.request(method, path)
                             assert response.status_code != 401, (path, response.text)
+                            if path in SCHEMA_PATHS:
+                                assert response.status_code == 200, (path, response.text)
                         continue
                     for client in (anonymous, wrong):
                         response = await client.request(method, path)

@@ -18,7 +18,7 @@ from .context import ServerContext
 from .errors import install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .openai_routes import ERRORS, openai_router
-from .protocol import HealthResponse
+from .protocol import ChatCompletionRequest, CompletionRequest, HealthResponse
 from .tokenize_routes import OPEN_PATHS, tokenize_router
 
 DESCRIPTION = """\
@@ -52,14 +52,21 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
         api_key=config.api_key,
         admin_key=config.admin_key,
         admin_paths=ADMIN_PATHS,
-        open_paths=[p for p in OPEN_PATHS if p != "/metrics" or not config.protect_metrics],
+        open_paths=[p for p in OPEN_PATHS if p != "/metrics" or not config.protect_metrics]
+        + _schema_paths(app),
     )
     return app
 
 
+def _schema_paths(app: FastAPI) -> list[str]:
+    """The schema and its UIs: open, as vLLM leaves them (they describe, they do not serve)."""
+    paths = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
+    return [path for path in paths if path]
+
+
 def _accurate_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     """FastAPI's schema, less what this server never answers: 422 (invalid input is a
-    400 here) everywhere, and 401 where no key is required."""
+    400 here) everywhere, and 401 where no key is required; integer bounds exact."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -69,12 +76,41 @@ def _accurate_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
                     operation["responses"].pop("422", None)
                     if not operation.get("security"):
                         operation["responses"].pop("401", None)
+            components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            _exact_integer_bounds(components)
             app.openapi_schema = schema
         return app.openapi_schema
 
     return openapi
+
+
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integer_bounds(components: dict[str, Any]) -> None:
+    """FastAPI's OpenAPI models hold bounds as floats, so ``seed``'s maximum 2**63 - 1
+    came out as 9.223372036854776e18 (not even the same number). Put back pydantic's exact
+    ints, walking each request model's own schema beside FastAPI's."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in {model.__name__: own, **own.pop("$defs", {})}.items():
+            if name in components:
+                _copy_int_bounds(definition, components[name])
+
+
+def _copy_int_bounds(source: Any, target: Any) -> None:
+    if isinstance(source, dict) and isinstance(target, dict):
+        for key, value in source.items():
+            if key in BOUNDS and isinstance(value, int) and not isinstance(value, bool):
+                if key in target:
+                    target[key] = value
+            elif key in target:
+                _copy_int_bounds(value, target[key])
+    elif isinstance(source, list) and isinstance(target, list) and len(source) == len(target):
+        for a, b in zip(source, target, strict=True):
+            _copy_int_bounds(a, b)
 
 
 def status_router(ctx: ServerContext, *, protect_metrics: bool) -> APIRouter:

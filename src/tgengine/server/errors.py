@@ -120,15 +120,31 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return invalid(None, "invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ())]
     if first.get("type") == "json_invalid":
         return invalid(None, f"invalid JSON body: {first.get('msg', '')}")
+    parts = list(first.get("loc", ()))
+    keep_last = first.get("type") == "extra_forbidden"  # the last part: the client's own key
+    loc = [
+        str(p)
+        for i, p in enumerate(parts)
+        if not _is_union_tag(p) or (keep_last and i == len(parts) - 1)
+    ]
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value"))
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return invalid(param, f"{param}: {message}{more}" if param else f"{message}{more}")
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union that failed in the error's location
+    (``stop.constrained-str``, ``tool_choice.NamedToolChoice``); the field is what a client
+    needs, not the member. Field names here are snake_case, so a tag never looks like one."""
+    if not isinstance(part, str) or not part:
+        return False
+    simple = part in ("str", "int", "float", "bool", "none")
+    return simple or part[0].isupper() or any(c in part for c in "[-")
 
 
 def install_error_handlers(app: FastAPI, retry_after: int) -> None:

@@ -42,6 +42,7 @@ class StreamOptions(StrictModel):
 
 
 TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]  # a prompt or stop string: never empty
 
 
 class SamplingFields(StrictModel):
@@ -53,7 +54,7 @@ class SamplingFields(StrictModel):
     n: int | None = Field(1, ge=1, le=MAX_N, description=f"Sequences per prompt (1..{MAX_N}).")
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -79,9 +80,9 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: (
-        str
+        Text
         | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[
             list[Annotated[list[int], Field(min_length=1)]],
             Field(min_length=1, max_length=MAX_PROMPTS),
