@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from ..sampling import SamplingParams
 from ..structured_outputs import StructuredOutputsParams
-from ..tokenization.tokenizer import chat_prompt
+from ..tokenization.tokenizer import RESERVED_TEMPLATE_KWARGS, chat_prompt
 from .context import ServerContext
 from .errors import APIError, invalid, unavailable
 from .formatting import ChatFormatter, CompletionFormatter, Formatter
@@ -130,8 +130,13 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 raise invalid("tool_choice", message)
             constraint, constraint_param = plan.constraint, "tool_choice"
         messages = template_messages(body.messages)
+        kwargs = body.chat_template_kwargs
+        reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            message = f"chat_template_kwargs: {', '.join(reserved)} cannot be set here"
+            raise invalid("chat_template_kwargs", message)
         try:
-            prompt = chat_prompt(tokenizer, messages, plan.tools)
+            prompt = chat_prompt(tokenizer, messages, plan.tools, template_kwargs=kwargs)
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise invalid("messages", f"messages: cannot apply the chat template: {exc}") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -10,7 +10,7 @@ build every body from them.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,6 +138,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='vLLM: variables for the chat template, e.g. {"enable_thinking": false}; '
+        "passed as they are (a template reads what it reads).",
+    )
 
 
 # -- responses --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class TokenizeChatRequest(StrictModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="As on chat.")
 
 
 class TokenizeResponse(BaseModel):
@@ -75,7 +76,10 @@ def tokenize_router(ctx: ServerContext) -> APIRouter:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
                 ids = chat_prompt(
-                    tokenizer, messages, add_generation_prompt=body.add_generation_prompt
+                    tokenizer,
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    template_kwargs=body.chat_template_kwargs,
                 )
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 message = f"messages: cannot apply the chat template: {exc}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,15 @@ import tokenizers
 
 from ..config import TOKENIZER_MODES
 from . import tokenizer_facts
-from .fast_tokenizer import FastTokenizer, TokenizerFacts
+from .fast_tokenizer import CHAT_DEFAULTS, FastTokenizer, TokenizerFacts
 from .hf_tokenizer import load_hf_tokenizer
+
+# apply_chat_template's own arguments: given as template variables, they would change the
+# call (tokenize, return_tensors, another template), not what the template reads.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+    | set(CHAT_DEFAULTS)
+)
 
 
 def load_tokenizer(path: str, mode: str = "auto") -> Any:
@@ -51,15 +59,27 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template, ready to generate.
 
-    ``tools`` (OpenAI tool definitions) reach the template as its ``tools`` variable.
+    ``tools`` (OpenAI tool definitions) reach the template as its ``tools`` variable;
+    ``template_kwargs`` (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``) as
+    variables of their own. A key of ``apply_chat_template``'s own (``tokenize``,
+    ``chat_template``, ...) is a ``ValueError``: it would change the call, not the template.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
+    variables = dict(template_kwargs or {})
+    reserved = sorted(set(variables) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)}: an argument of the call, not a template variable")
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        **variables,
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
