@@ -97,6 +97,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--allow-additional-properties",
+        action="store_true",
+        help="JSON schemas (response_format, structured_outputs, tool parameters) allow "
+        "properties they do not name, as JSON Schema reads them; by default an object schema "
+        "without additionalProperties forbids them, as vLLM does",
+    )
+    parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -134,6 +141,7 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         tool_call_parser=args.tool_call_parser,
         protect_metrics=args.protect_metrics,
         metrics_prefix=args.metrics_prefix,
+        allow_additional_properties=args.allow_additional_properties,
     )
     return config, server_config
 

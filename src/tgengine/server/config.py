@@ -18,7 +18,9 @@ class ServerConfig:
     ``served_model_name`` defaults to the model directory's basename. ``metrics_prefix``
     names the Prometheus metrics (``vllm`` lets a vLLM dashboard work unchanged).
     ``tool_call_parser`` reads tool calls in ``tool_choice="auto"`` answers: ``hermes``,
-    ``llama3_json``, or ``auto`` (picked by the chat template).
+    ``llama3_json``, or ``auto`` (picked by the chat template). ``allow_additional_properties``:
+    a JSON schema's objects take properties it does not name unless it says
+    ``additionalProperties`` (JSON Schema's own reading); by default they do not (vLLM's).
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +37,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     protect_metrics: bool = False
     metrics_prefix: str = "tgengine"
+    allow_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         if not self.host:

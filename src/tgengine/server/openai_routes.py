@@ -92,7 +92,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if body.best_of is not None and body.best_of != n:
             raise invalid("best_of", f"best_of: must equal n ({n}); every sample is returned")
         formatter = CompletionFormatter(ctx.model_name, tokenizer, body.logprobs)
-        constraint, constraint_param = requested_constraint(body)
+        constraint, constraint_param = requested_constraint(body, closed_objects=_closed(ctx))
         max_tokens = body.max_tokens or 16
         jobs = []
         for i, prompt in enumerate(body.prompts()):
@@ -120,8 +120,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         """Answer a conversation, rendered with the tokenizer's chat template."""
         tokenizer = _check_common(ctx, body)
         parser = pick_parser(ctx.config.tool_call_parser, getattr(tokenizer, "chat_template", None))
-        plan = plan_tools(body, parser)
-        constraint, constraint_param = requested_constraint(body)
+        plan = plan_tools(body, parser, closed_objects=_closed(ctx))
+        constraint, constraint_param = requested_constraint(body, closed_objects=_closed(ctx))
         if plan.constraint is not None:
             if constraint is not None:
                 message = (
@@ -161,6 +161,11 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         )
 
     return router
+
+
+def _closed(ctx: ServerContext) -> bool:
+    """Whether JSON schemas forbid the properties they do not name (vLLM's default)."""
+    return not ctx.config.allow_additional_properties
 
 
 def _check_common(ctx: ServerContext, body: SamplingFields) -> Any:

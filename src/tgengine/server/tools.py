@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..structured_outputs import StructuredOutputsParams
+from ..structured_outputs.schemas import embed_schemas
 from .errors import invalid
 from .protocol import ChatCompletionRequest, ChatMessage
+from .structured import json_constraint
 from .structured_protocol import FunctionCallDelta, ToolCallDelta, ToolSpec
 from .tool_parsers import ParsedCall, ToolCallStream, ToolParser
 
@@ -63,8 +65,14 @@ class ToolPlan:
     output: ToolOutput | None = None
 
 
-def plan_tools(body: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
-    """The plan for ``body``'s tools; 400 for a choice that names no tool."""
+def plan_tools(
+    body: ChatCompletionRequest, parser: ToolParser, *, closed_objects: bool = True
+) -> ToolPlan:
+    """The plan for ``body``'s tools; 400 for a choice that names no tool.
+
+    Each tool's parameters keep their ``$defs``; with ``closed_objects`` (vLLM's default)
+    arguments carry no property their schema does not name.
+    """
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -77,32 +85,40 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
         return ToolPlan(tools, output=ParsedToolOutput(parser))
     if choice == "required":
         schema = _calls_schema(body.tools, parallel=body.parallel_tool_calls is not False)
-        return ToolPlan(tools, StructuredOutputsParams(json=schema), RequiredToolOutput())
+        constraint = json_constraint(schema, closed_objects=closed_objects)
+        return ToolPlan(tools, constraint, RequiredToolOutput())
     assert not isinstance(choice, str)
     spec = next((t for t in body.tools if t.function.name == choice.function.name), None)
     if spec is None:
         name = choice.function.name
         raise invalid("tool_choice", f"tool_choice: no tool is named {name!r}")
-    arguments = StructuredOutputsParams(json=spec.function.parameters or ANY_OBJECT)
+    schema = spec.function.parameters or ANY_OBJECT
+    arguments = json_constraint(schema, closed_objects=closed_objects)
     return ToolPlan(tools, arguments, NamedToolOutput(spec.function.name))
 
 
 def _calls_schema(tools: list[ToolSpec], *, parallel: bool) -> dict[str, Any]:
+    """An array of calls, each ``{"name", "arguments"}`` under one tool's parameters.
+
+    The parameters go into the root's ``$defs`` (``tool0``, ``tool0.<its defs>``, ...),
+    so that their own ``$ref``s still resolve and two tools' definitions never clash.
+    """
+    parameters = [tool.function.parameters or ANY_OBJECT for tool in tools]
+    arguments, defs = embed_schemas(parameters, prefix="tool")
     one_call = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": tool.function.parameters or ANY_OBJECT,
-            },
+            "properties": {"name": {"const": tool.function.name}, "arguments": argument},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for tool in tools
+        for tool, argument in zip(tools, arguments, strict=True)
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 
