@@ -25,7 +25,7 @@ from anyio.from_thread import BlockingPortal
 
 from tgengine import EngineConfig, ProcessEngine, SamplingParams
 from tgengine.core.block_manager import BlockManager, hash_block
-from tgengine.engine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats, StepStats
 
 from fault_injection import FaultInjector, faulty_engine
 from lifecycle_model import RequestModel
@@ -101,7 +101,7 @@ class EngineDriver:
         tracker.finish_hooks.append(record)
         self.engine._loop.step_hooks.append(self._after_step)
 
-    def _after_step(self, num_batched_tokens: int) -> None:
+    def _after_step(self, stats: StepStats) -> None:
         """The prefix cache's consistency after every step, not only between rules: a
         request can start and end between two rules."""
         scheduler = self.engine._loop.scheduler
@@ -173,8 +173,9 @@ class EngineDriver:
     def request_finished(self, stats: RequestStats) -> None:
         self.finished_stats.append(stats)
 
-    def step_finished(self, num_batched_tokens: int) -> None:
-        assert num_batched_tokens > 0
+    def step_finished(self, stats: StepStats) -> None:
+        assert stats.num_batched_tokens > 0
+        assert stats.num_generation_tokens <= stats.num_batched_tokens  # one per sampled row
 
     def observer_problems(self) -> list[str]:
         """Observers hear of every ended request once (all its ``n`` sequences ended), with

@@ -23,7 +23,7 @@ from tgengine import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from tgengine.engine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats, StepStats
 from tgengine.models import iter_safetensors
 
 from engine_helpers import (
@@ -112,7 +112,7 @@ class Recorder:
     def request_finished(self, stats: RequestStats) -> None:
         self.finished.append((stats.num_prompt_tokens, stats.n, stats.max_tokens))
 
-    def step_finished(self, num_batched_tokens: int) -> None:
+    def step_finished(self, stats: StepStats) -> None:
         self.steps += 1
 
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from tgengine import EngineConfig, open_engine
-from tgengine.engine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats, StepStats
 
 from engine_helpers import (
     TIMEOUT,
@@ -50,7 +50,7 @@ class BlockUsage:
         self.read_free = lambda: self.num_total
         self.peak = 0
 
-    def step_finished(self, num_batched_tokens: int) -> None:
+    def step_finished(self, stats: StepStats) -> None:
         self.peak = max(self.peak, self.num_total - self.read_free())
 
     def request_finished(self, stats: RequestStats) -> None:

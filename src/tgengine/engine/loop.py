@@ -19,13 +19,13 @@ from ..agent.agent import AgentInfo, MemoryStats
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from ..core.sequence import Sequence
-from ..core.step import SeqStep, StepBatch
+from ..core.step import SeqStep, StepBatch, StepResult
 from ..errors import StepTimeoutError
 from ..executor import Executor
 from ..outputs import FinishReason
 from ..stats import Counters, EngineStats
 from ..structured_outputs import bitmasks
-from .request_stats import EngineObserver, request_stats
+from .request_stats import EngineObserver, StepStats, request_stats
 from .requests import Request, RequestTracker
 
 
@@ -64,7 +64,7 @@ class EngineLoop:
         self._progress = anyio.Event()
         self.num_steps = 0
         self.observers: list[EngineObserver] = []  # told of finished requests and steps
-        self.step_hooks: list[Callable[[int], None]] = []  # after the observers (tests)
+        self.step_hooks: list[Callable[[StepStats], None]] = []  # after the observers (tests)
 
     async def prepare(self) -> None:
         """What the executor measures on a quiet process, before anything loads (threads)."""
@@ -260,11 +260,12 @@ class EngineLoop:
             raise StepTimeoutError(timeout or 0.0) from exc
         self.num_steps += 1
         self.last_step_time = anyio.current_time()
+        stats = _step_stats(batch, result, tracker)  # before publish: who had no token yet
         scheduler.update_after_step(batch, result.token_ids, failed=result.errors.keys())
         for observer in self.observers:
-            observer.step_finished(batch.num_batched_tokens)
+            observer.step_finished(stats)
         for hook in self.step_hooks:
-            hook(batch.num_batched_tokens)
+            hook(stats)
         tracker.publish(batch.seqs, result, self.weight_version)
         self.notify()
         return True
@@ -309,6 +310,19 @@ class EngineLoop:
             request = tracker.get(seq_id)
             if request is not None:
                 tracker.finish(request, "error", error=error, weight_version=self.weight_version)
+
+
+def _step_stats(batch: ScheduledBatch, result: StepResult, tracker: RequestTracker) -> StepStats:
+    """The step's counts; a sequence counts its prompt with its first sampled token."""
+    num_prompt = num_generated = 0
+    for seq in batch.seqs:
+        request = tracker.get(seq.seq_id)
+        if request is None or seq.seq_id in result.errors or seq.seq_id not in result.token_ids:
+            continue  # aborted meanwhile, failed, or a prompt chunk that samples nothing
+        num_generated += 1
+        if request.first_token_time is None:
+            num_prompt += seq.num_prompt_tokens
+    return StepStats(batch.num_batched_tokens, num_prompt, num_generated)
 
 
 def _seq_step(seq: Sequence, n: int, request: Request | None, sample: bool) -> SeqStep:

@@ -26,12 +26,32 @@ class RequestStats:
     max_tokens: int
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step computed and produced.
+
+    ``num_batched_tokens``: the tokens the forward pass computed (prompt chunks and decode
+    inputs). ``num_prompt_tokens``: the whole prompts of the sequences whose first token
+    this step sampled; ``num_generation_tokens``: the tokens it sampled. Their sum is
+    vLLM's ``iteration_tokens_total`` (prompt + generated tokens of the outputs of one
+    iteration), so a request of prompt P and max_tokens M adds up to P + M over its steps.
+    """
+
+    num_batched_tokens: int
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def num_iteration_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_generation_tokens
+
+
 class EngineObserver(Protocol):
     """Told about every finished request and every step (on the event loop: be quick)."""
 
     def request_finished(self, stats: RequestStats) -> None: ...
 
-    def step_finished(self, num_batched_tokens: int) -> None: ...
+    def step_finished(self, stats: StepStats) -> None: ...
 
 
 def request_stats(members: list[Request]) -> RequestStats:

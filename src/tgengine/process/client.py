@@ -377,9 +377,9 @@ class ProcessEngine:
                 self._requests.deliver(message)
             case Refused():
                 self._requests.refuse(message, self.weight_version)
-            case StepFinished(num_batched_tokens):
+            case StepFinished(stats):
                 for observer in self.observers:
-                    observer.step_finished(num_batched_tokens)
+                    observer.step_finished(stats)
             case RequestFinished(stats):
                 for observer in self.observers:
                     observer.request_finished(stats)

@@ -17,7 +17,7 @@ import anyio.abc
 
 from ..agent.agent import MemoryStats
 from ..engine.engine import Engine
-from ..engine.request_stats import RequestStats
+from ..engine.request_stats import RequestStats, StepStats
 from ..engine.stream import RequestStream
 from ..errors import EngineDeadError, TGEngineError
 from ..ipc.calls import Reply, Request
@@ -69,8 +69,8 @@ class EngineHost:
     def request_finished(self, stats: RequestStats) -> None:
         self._send(RequestFinished(stats))
 
-    def step_finished(self, num_batched_tokens: int) -> None:
-        self._send(StepFinished(num_batched_tokens))
+    def step_finished(self, stats: StepStats) -> None:
+        self._send(StepFinished(stats))
 
     async def run(self) -> BaseException | None:
         async with anyio.create_task_group() as tg:

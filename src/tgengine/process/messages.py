@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
-from ..engine.request_stats import RequestStats
+from ..engine.request_stats import RequestStats, StepStats
 from ..executor import Executor
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -122,7 +122,7 @@ class RequestFinished:
 
 @dataclass(frozen=True)
 class StepFinished:
-    num_batched_tokens: int
+    stats: StepStats
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..engine.client import EngineClient
-from ..engine.request_stats import RequestStats
+from ..engine.request_stats import RequestStats, StepStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
@@ -173,7 +173,9 @@ class ServerMetrics:
             "request_params_max_tokens", "The max_tokens parameter of requests.", TOKEN_BUCKETS
         )
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS
+            "iteration_tokens_total",
+            "Prompt and generated tokens of the outputs of one engine step.",
+            TOKEN_BUCKETS,
         )
         engine.observers.append(self)
 
@@ -198,9 +200,12 @@ class ServerMetrics:
                 (last - first) / (stats.max_num_generation_tokens - 1)
             )
 
-    def step_finished(self, num_batched_tokens: int) -> None:
-        """Observe one engine step (an ``EngineObserver`` callback)."""
-        self.iteration_tokens.observe(num_batched_tokens)
+    def step_finished(self, stats: StepStats) -> None:
+        """Observe one engine step (an ``EngineObserver`` callback), as vLLM does: the
+        prompt and generated tokens of its outputs; a step without output (a prompt chunk
+        that samples nothing) is not an iteration there."""
+        if stats.num_generation_tokens:
+            self.iteration_tokens.observe(stats.num_iteration_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
