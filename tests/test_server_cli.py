@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -16,7 +21,9 @@ import psutil
 import pytest
 
 from server_helpers import assert_error_body, completion_body, parse_sse, stream_lines
+from tgengine.cli import default_model
 from tgengine.cli.main import build_parser
+from tgengine.runtime.disk_cache import cache_root
 
 from process_helpers import child_pids, still_running
 
@@ -113,3 +120,148 @@ def test_a_crash_loop_gives_up_and_exits_1(tiny_llama_dir: Path, tmp_path: Path)
     assert "cannot load model" in result.stderr, "the cause is named"
     assert result.stdout == "", "it never served"
     assert child_pids() == before
+
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # docs/server.md: --host 127.0.0.1, --port 8000
+
+
+def default_model_cache(model_dir: Path, root: Path) -> dict[str, str]:
+    """An environment whose default model (``serve`` without ``--model``) is ``model_dir``:
+    a finished conversion under ``$TGENGINE_CACHE``, so nothing is downloaded. The rest of
+    the cache (compiled kernels, tokenizer and config facts) is this process's, linked,
+    so that nothing is built again. No key comes from the environment either."""
+    target = root / default_model.DEFAULT_MODEL_NAME
+    shutil.copytree(model_dir, target)
+    (target / default_model._MARKER).write_text("{}")
+    shared = cache_root()
+    (shared / "kernels").mkdir(parents=True, exist_ok=True)  # built there at most once
+    for entry in shared.iterdir():
+        if not entry.name.startswith(default_model.DEFAULT_MODEL_NAME):
+            (root / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TGENGINE_")}
+    return env | {"TGENGINE_CACHE": str(root)}
+
+
+@asynccontextmanager
+async def serve_without_flags(env: dict[str, str]) -> AsyncIterator[tuple[anyio.abc.Process, str]]:
+    """``python -m tgengine serve`` with no flags at all, and the URL it prints; killed on
+    the way out if the test did not see it exit."""
+    async with await anyio.open_process([*RUNNER, "serve"], env=env) as process:
+        try:
+            assert process.stdout is not None
+            out = b""
+            while not re.search(rb"http://\S+\n", out):
+                out += await process.stdout.receive()
+            url = re.search(rb"serving '([^']+)' at (http://\S+)\n", out)
+            assert url is not None, out
+            assert url.group(1).decode() == default_model.DEFAULT_MODEL_NAME, out
+            yield process, url.group(2).decode()
+        finally:
+            if process.returncode is None:
+                process.kill()
+
+
+def http_client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=30)
+
+
+def port_8000_is_free() -> bool:
+    """Whether nothing listens there (a closed connection's TIME_WAIT does not count: the
+    server binds with SO_REUSEADDR too)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", 8000))
+        except OSError:
+            return False
+    return True
+
+
+# one run: the server's backend is serve's default (asyncio) whatever the test client's
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_without_flags_does_what_the_docs_say(
+    long_context_dir: Path, tmp_path: Path
+) -> None:
+    """Each documented default of ``serve``, against what the running server does.
+
+    Two starts, neither with a flag: the first with nothing in the environment (no keys),
+    the second with ``TGENGINE_ADMIN_KEY`` (the documented alternative to ``--admin-key``),
+    to sleep it and see ``--when-asleep``'s default, then SIGTERM for ``--shutdown-grace``'s.
+    Not observable from outside in a test's time: ``--health-stall-seconds`` (30 s of a
+    wedged step), ``--max-num-seqs`` (256 concurrent requests); ``ServerConfig``'s and
+    ``EngineConfig``'s tests pin those values.
+    """
+    if not port_8000_is_free():
+        pytest.skip("127.0.0.1:8000 (serve's default port) is taken on this machine")
+    env = default_model_cache(long_context_dir, tmp_path / "cache")
+    name = default_model.DEFAULT_MODEL_NAME
+    with anyio.fail_after(3 * TIMEOUT):
+        async with serve_without_flags(env) as (process, url), http_client(url) as http:
+            below = psutil.Process(process.pid).children(recursive=True)
+            models = await http.get("/v1/models")  # no --api-key: the API is open
+            completed = await http.post(
+                "/v1/completions", json=completion_body(model=name, max_tokens=2)
+            )
+            management = await http.post("/sleep")  # no --admin-key: no management routes
+            metrics = await http.get("/metrics")  # open (no --protect-metrics)
+            too_big = await http.post(
+                "/v1/completions",
+                content=b" " * (4 * 1024 * 1024 + 1),  # --max-body-bytes: 4 MiB
+                headers={"content-type": "application/json"},
+            )
+            at_limit = await http.post(
+                "/v1/completions",
+                content=b" " * (4 * 1024 * 1024),
+                headers={"content-type": "application/json"},
+            )
+            process.send_signal(signal.SIGTERM)
+            first_code = await process.wait()
+
+        admin = {"TGENGINE_ADMIN_KEY": "sk-admin"}
+        headers = {"Authorization": "Bearer sk-admin"}
+        async with serve_without_flags(env | admin) as (process, _), http_client(url) as http:
+            asleep = await http.post("/sleep", headers=headers)
+            try:  # reject answers at once; wait would hold it until a wakeup
+                refused = await http.post(
+                    "/v1/completions", json=completion_body(model=name), timeout=10
+                )
+            except httpx.ReadTimeout:
+                pytest.fail("a request while asleep was held, not refused: when_asleep='wait'")
+            await http.post("/wakeup", headers=headers)
+            endless = (await http.get("/v1/models")).json()["data"][0]["max_model_len"] - 64
+            started = anyio.Event()
+            result: list[tuple[int, list[str]]] = []
+            timing: dict[str, float] = {}
+
+            async def consume() -> None:
+                body = completion_body(model=name, max_tokens=endless, ignore_eos=True, stream=True)
+                result.append(await stream_lines(http, "/v1/completions", body, started.set))
+                timing["ended"] = time.monotonic()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await started.wait()
+                timing["signalled"] = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+            second_code = await process.wait()
+
+    assert url == DEFAULT_URL
+    assert [m["id"] for m in models.json()["data"]] == [name]  # the directory's basename
+    assert completed.status_code == 200, completed.text
+    assert management.status_code == 404
+    assert metrics.status_code == 200 and "tgengine:num_requests_running" in metrics.text
+    assert 'enable_prefix_caching="True"' in metrics.text
+    assert assert_error_body(too_big, 413)["code"] == "request_too_large"
+    assert at_limit.status_code == 400  # read whole (not JSON), so within the limit
+    assert below == [], "no --engine-process: the engine runs in serve's own process"
+    assert first_code == 0
+    assert asleep.status_code == 200 and asleep.json()["state"] == "sleeping"
+    error = assert_error_body(refused, 503)  # --when-asleep reject: refused, not held
+    assert error["code"] == "engine_sleeping" and refused.headers["Retry-After"]
+    status, lines = result[0]
+    events, done = parse_sse(lines)
+    assert status == 200 and done and events[-1]["choices"][0]["finish_reason"] == "abort"
+    waited = timing["ended"] - timing["signalled"]
+    assert 9.5 <= waited < 10 + TIMEOUT / 3, waited  # --shutdown-grace: 10 s
+    assert second_code == 0

@@ -3,15 +3,20 @@
 The server (the app ``python -m tgengine serve`` runs: ``Server.run`` beside ``Engine.run``)
 runs in a blocking portal on asyncio or trio; the machine is an HTTP client in the test
 thread. Rules: completions (whole and streamed), a client that disconnects mid-stream, every
-management route (valid and invalid calls), and ``stop()``. After every rule, ``/health``,
-``/is_sleeping`` and ``/metrics`` must agree with ``lifecycle_model.EngineModel``: state,
-sleeping tags, ``weight_version``, sleep state, and finished requests counted by reason.
+management route (valid and invalid calls), ``stop()``, and a drain: ``stop(grace)`` while a
+stream runs, as ``serve`` does on SIGTERM, the engine ``stopping`` across the rules that
+follow until its client hangs up (the request runs on meanwhile). After every rule, ``/health``
+(its status code and every field of its body), ``/is_sleeping`` and ``/metrics`` must agree
+with ``lifecycle_model.EngineModel`` and with the engine: state, sleeping tags,
+``weight_version``, sleep state, running requests, and finished requests counted by reason.
+A load balancer reads ``/health``: 200 only while serving, 503 from ``stopping`` on.
 
 ``TGENGINE_HYPOTHESIS_SERVER_EXAMPLES`` (default 4 per backend) gives longer runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import Counter
@@ -41,7 +46,7 @@ from tgengine import (
     EngineState,
     EngineStoppedError,
 )
-from tgengine.engine.request_stats import RequestStats
+from tgengine.engine.request_stats import RequestStats, StepStats
 
 from lifecycle_model import EngineModel
 
@@ -55,6 +60,9 @@ RETRYABLE = {
     EngineDeadError: "engine_dead",
 }
 GONE = (S.STOPPING, S.STOPPED, S.DEAD)
+DRAIN_GRACE = 600.0  # longer than any run: a drain ends with its stream, never by the clock
+NUM_BLOCKS = 8192  # 32k tokens of KV cache (block size 4): ENDLESS fits, and outlives a run
+ENDLESS = 30_000
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -87,7 +95,7 @@ class FinishedRequests:
             waiter.set()
         self._waiters.clear()
 
-    def step_finished(self, num_batched_tokens: int) -> None:
+    def step_finished(self, stats: StepStats) -> None:
         pass
 
     async def wait_until(self, done: Callable[[], bool]) -> None:
@@ -108,7 +116,9 @@ class ServerMachine(RuleBasedStateMachine):
         self._portal_cm = start_blocking_portal(self.backend)
         self.portal = self._portal_cm.__enter__()
         self._server_cm = self.portal.wrap_async_context_manager(
-            running_server(self.model_dir, admin_key=ADMIN_KEY)
+            running_server(
+                self.model_dir, engine_options={"num_blocks": NUM_BLOCKS}, admin_key=ADMIN_KEY
+            )
         )
         self.running = self._server_cm.__enter__()
         self.http = httpx.Client(base_url=self.running.url, timeout=BOUND)
@@ -121,6 +131,7 @@ class ServerMachine(RuleBasedStateMachine):
         self.finished: Counter[str] = Counter()
         self.finishes = FinishedRequests()
         self.running.engine.observers.append(self.finishes)
+        self.draining: tuple[Any, Any] | None = None  # the stream a drain waits for
 
     # -- clients --------------------------------------------------------------------
 
@@ -215,7 +226,7 @@ class ServerMachine(RuleBasedStateMachine):
         want = self.model.update_weights("A") if valid else ValueError
         self.manage("/update_weights", want, json={"path": path})
 
-    @precondition(lambda self: self.model.alive)
+    @precondition(lambda self: self.model.alive and self.model.state is not S.STOPPING)
     @rule()
     def stop(self) -> None:
         self.portal.call(self.running.engine.stop)
@@ -223,18 +234,64 @@ class ServerMachine(RuleBasedStateMachine):
         assert self.running.engine.state is S.STOPPED, self.running.engine.state
         self.model.state = S.STOPPED
 
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule()
+    def drain(self) -> None:
+        """SIGTERM to ``serve``: ``stop(grace)`` while a stream runs; the engine is
+        ``stopping`` until the stream ends (``end_drain``), whatever rules come between."""
+        body = completion_body("Hello", max_tokens=ENDLESS, ignore_eos=True, stream=True)
+        context = self.http.stream("POST", "/v1/completions", json=body)
+        response = context.__enter__()
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        self.draining = (context, lines)
+        self.portal.call(self.running.engine.stop, DRAIN_GRACE)
+        self.model.state = S.STOPPING
+
+    @precondition(lambda self: self.draining is not None)
+    @rule(read_first=st.booleans())
+    def end_drain(self, read_first: bool) -> None:
+        """The drained stream's client hangs up, at once or after reading on (the request
+        still streams while the engine stops); its request ends ``abort``, the engine stops."""
+        self.close_drained(read_first)
+        self.portal.call(wait_for, self.running.engine_returned)
+        assert self.running.engine.state is S.STOPPED, self.running.engine.state
+        self.model.state = S.STOPPED
+
+    def close_drained(self, read_first: bool) -> None:
+        assert self.draining is not None
+        (context, lines), self.draining = self.draining, None
+        if read_first:
+            events = (line for line in lines if line.startswith("data: "))
+            more = [json.loads(next(events)[len("data: ") :]) for _ in range(3)]
+            assert all(chunk["choices"][0]["finish_reason"] is None for chunk in more), more
+        context.__exit__(None, None, None)
+        self.portal.call(self.finishes.wait_until, lambda: not self.admitted())
+        self.finished["abort"] += 1
+
     # -- invariants -----------------------------------------------------------------
 
     @invariant()
     def status_routes_agree_with_the_model(self) -> None:
         model = self.model
         tags = model.sleeping if model.alive else set()
+        num_running = 0 if self.draining is None else 1
+        assert self.running.engine.state is model.state, (self.running.engine.state, model)
         health = self.http.get("/health")
         serving = model.state in (S.RUNNING, S.PAUSED, S.SLEEPING)
-        assert health.status_code == (200 if serving else 503), health.text
+        assert health.status_code == (200 if serving else 503), (model.state, health.text)
         report = health.json()
-        assert report["state"] == str(model.state) and set(report["sleeping_tags"]) == tags
-        assert report["weight_version"] == model.version
+        assert report == {
+            "status": "ok" if serving else "unavailable",
+            "state": str(model.state),
+            "stalled": False,
+            "sleeping_tags": sorted(tags),
+            "seconds_since_progress": None,  # measured only while running with work
+            "num_running": num_running,
+            "num_waiting": 0,
+            "weight_version": model.version,
+        }, (model, report)
         assert self.admin.get("/is_sleeping").json() == {"is_sleeping": bool(tags)}
         text = self.http.get("/metrics").text
         assert metric(text, "weight_version") == model.version
@@ -246,10 +303,12 @@ class ServerMachine(RuleBasedStateMachine):
         for reason in ("stop", "length", "abort", "error"):
             value = metric(text, "request_success_total", finished_reason=reason)
             assert value == self.finished[reason], (reason, value, self.finished)
-        assert metric(text, "num_requests_running") == 0
+        assert metric(text, "num_requests_running") == num_running
 
     def teardown(self) -> None:
         try:
+            if self.draining is not None:
+                self.close_drained(read_first=False)
             self.http.close()
             self.admin.close()
             self._server_cm.__exit__(None, None, None)
@@ -258,8 +317,8 @@ class ServerMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_server_state_machine(backend: str, tiny_llama_dir: Path) -> None:
-    machine = type("Machine", (ServerMachine,), {"model_dir": tiny_llama_dir, "backend": backend})
+def test_server_state_machine(backend: str, long_context_dir: Path) -> None:
+    machine = type("Machine", (ServerMachine,), {"model_dir": long_context_dir, "backend": backend})
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -271,3 +330,30 @@ def test_server_state_machine(backend: str, tiny_llama_dir: Path) -> None:
             + ([] if os.environ.get("CI") else [Phase.shrink]),
         ),
     )
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_health_is_503_all_through_a_drain(backend: str, long_context_dir: Path) -> None:
+    """The path a load balancer depends on, taken every time (the random runs may miss it):
+    serving, then draining (requests refused, management refused, the stream running on),
+    then stopped; ``/health`` and the rest checked after each step."""
+    machine = type(
+        "Machine", (ServerMachine,), {"model_dir": long_context_dir, "backend": backend}
+    )()
+    steps: list[Callable[[], None]] = [
+        lambda: machine.complete(stream=False, max_tokens=3),
+        machine.drain,
+        lambda: machine.complete(stream=True, max_tokens=2),
+        lambda: machine.pause("abort"),
+        lambda: machine.update_weights(valid=True),
+        lambda: machine.end_drain(read_first=True),
+        lambda: machine.complete(stream=False, max_tokens=2),
+    ]
+    try:
+        machine.status_routes_agree_with_the_model()
+        for step in steps:
+            step()
+            machine.status_routes_agree_with_the_model()
+    finally:
+        machine.teardown()
+    assert machine.finished == {"length": 1, "abort": 1}
