@@ -23,7 +23,7 @@ import numpy.typing as npt
 import torch
 
 from tgengine import RequestOutput, StructuredOutputsParams
-from tgengine.models.config import load_model_config
+from tgengine.models.config_loader import load_model_config
 from tgengine.structured_outputs.bitmasks import bitmask_words
 from tgengine.structured_outputs.compiler import GrammarCompiler
 from tgengine.structured_outputs.matcher import GrammarMatcher, GrammarRejectedError

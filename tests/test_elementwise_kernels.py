@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from test_model_fast_paths import _prefill_then_decode, _prompts
-from tgengine.models import fused_decode, kernels, llama, load_model, load_model_config
+from tgengine import kernels
+from tgengine.kernels import elementwise
+from tgengine.kernels.decode_layer import DecodeStep, LayerRun
+from tgengine.models import causal_lm, fused_decode, load_model, load_model_config
 from tgengine.models.attention import write_kv
-from tgengine.models.kernels import elementwise
-from tgengine.models.kernels.decode_layer import DecodeStep, LayerRun
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
@@ -215,7 +216,7 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     model.gemm.quantization = quantization  # int8 panels: an update quantizes again
     pack_weights(model)
     runs: list[tuple[int, int]] = []
-    original = llama.run_layers
+    original = causal_lm.run_layers
 
     def counted(
         run: LayerRun, step: DecodeStep, x: torch.Tensor, *args: torch.Tensor
@@ -223,7 +224,7 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
         runs.append((len(run.calls), int(x.shape[0])))
         return original(run, step, x, *args)
 
-    monkeypatch.setattr(llama, "run_layers", counted)
+    monkeypatch.setattr(causal_lm, "run_layers", counted)
     prompts = _prompts(config.vocab_size, [5, 9, 2, 1, 12])
     got = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert runs == [(config.num_layers, len(prompts))], "the decode step ran all layers at once"

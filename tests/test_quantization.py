@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from test_lifecycle import PROMPTS, checkpoint_bytes, other_weights, weights_bytes
 from test_model_fast_paths import _prefill_then_decode, _prompts
-from tgengine import EngineConfig, EngineDeadError, ModelLoadError, open_engine
-from tgengine.models import iter_safetensors, kernels, load_model, load_model_config
+from tgengine import EngineConfig, EngineDeadError, ModelLoadError, kernels, open_engine
+from tgengine.models import iter_safetensors, load_model, load_model_config
 from tgengine.models.gemm import Panels, can_pack_panels
 from tgengine.models.weights import copy_weights, pack_weights
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tgengine.models import kernels
+from tgengine import kernels
 from tgengine.sample.sampler import Sampler, SamplingRow
 from tgengine.sampling import SamplingParams
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
+from .. import kernels
 from ..config import EngineConfig
 from ..core.step import SeqStep, StepBatch, StepResult
 from ..errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
@@ -25,7 +26,6 @@ from ..models import (
     KVCache,
     ModelConfig,
     iter_stored,
-    kernels,
     load_model,
     load_model_config,
     load_weights,

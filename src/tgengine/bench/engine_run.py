@@ -202,7 +202,7 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
     """
     from ..agent import agent as model_agent
     from ..core import scheduler
-    from ..models import llama, moe, self_attention
+    from ..models import causal_lm, moe, self_attention
     from ..sample import sampler
     from ..tokenization import detokenizer
 
@@ -216,7 +216,7 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
         patches.append((owner, attr, original))
         setattr(owner, attr, _wrap(profiler, name, original))
 
-    forward = llama.CausalLM.forward
+    forward = causal_lm.CausalLM.forward
 
     def timed_forward(self: Any, inputs: Any, kv_cache: Any) -> Any:
         start = time.perf_counter()
@@ -230,8 +230,8 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
                 (start, time.perf_counter(), rows, int(inputs.decode_rows.shape[0]))
             )
 
-    patches.append((llama.CausalLM, "forward", forward))
-    llama.CausalLM.forward = timed_forward  # type: ignore[method-assign]
+    patches.append((causal_lm.CausalLM, "forward", forward))
+    causal_lm.CausalLM.forward = timed_forward  # type: ignore[method-assign]
     patch(model_agent, "prepare_inputs", "prepare_inputs")
     patch(sampler.Sampler, "__call__", "sample")
     patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")

@@ -40,5 +40,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # Warnings from everywhere; one-time progress lines (a kernel compiling) from tgengine.
     logging.basicConfig(format="%(name)s: %(message)s", level=logging.WARNING)
-    logging.getLogger("tgengine.models.kernels").setLevel(logging.INFO)
+    logging.getLogger("tgengine.kernels").setLevel(logging.INFO)
     sys.exit(args.handler(args))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tgengine.models.config import ModelConfig, RopeConfig, load_model_config, resolve_dtype
+from tgengine.models.causal_lm import CausalLM
+from tgengine.models.config import ModelConfig, RopeConfig, resolve_dtype
+from tgengine.models.config_loader import load_model_config
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 from tgengine.models.kv_cache import KVCache
-from tgengine.models.llama import CausalLM
 from tgengine.models.loader import (
     iter_safetensors,
     iter_stored,

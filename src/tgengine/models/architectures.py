@@ -1,6 +1,6 @@
 """The supported architectures, by ``config.json``'s ``architectures`` entry, as configuration.
 
-Every architecture runs on the one decoder in ``models.llama``; what differs between them is
+Every architecture runs on the one decoder in ``models.causal_lm``; what differs between them is
 data: ``features`` returns the ``ModelConfig`` fields that switch its variant layers on (q/k
 norms, Gemma's norms and scales, per-layer windows, fused checkpoint projections, experts).
 """

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tgengine.models import kernels
+from tgengine import kernels
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)

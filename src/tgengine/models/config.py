@@ -1,13 +1,14 @@
 """``ModelConfig``: what tgengine needs from a Hugging Face ``config.json``, read once.
 
-``load_model_config`` is the only place that talks to transformers' ``AutoConfig``; everything
-downstream (model, KV cache, engine limits) reads the plain frozen dataclass.
+``models.config_loader.load_model_config`` builds it (``build_config``) from transformers'
+``AutoConfig``; everything downstream (model, KV cache, engine limits) reads the plain frozen
+dataclass.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,39 +101,6 @@ class ModelConfig:
         return None if None in windows else max(w for w in windows if w is not None)
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``model_dir/config.json`` (and ``generation_config.json`` if present), offline.
-
-    Raises ``ModelLoadError`` with a one-line reason when the directory or its config is
-    missing or broken, or when the model type or a feature of it is not supported. A config
-    parsed before from the same files is read from the cache (``config_cache``) instead.
-    """
-    from tgengine.models import config_cache
-    from tgengine.models.architectures import architecture_of, features
-
-    path = Path(model_dir)
-    name = str(model_dir)
-    raw = _read_json(path, "config.json", required=True)
-    architecture = architecture_of(raw, name)
-    cached = config_cache.lookup(path)
-    if cached is not None:
-        return replace(cached, model_dir=name)
-    model_type = str(raw["model_type"])
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds; all mean "unreadable config"
-        raise ModelLoadError(name, f"cannot read config.json: {_one_line(exc)}") from exc
-    try:
-        base = _build(hf, model_type, path)
-        config = replace(base, architecture=architecture, **features(hf, architecture, base))
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(name, f"config.json is incomplete: {_one_line(exc)}") from exc
-    config_cache.store(path, config)
-    return config
-
-
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
     """Map an ``EngineConfig.dtype`` string to a torch dtype.
 
@@ -148,7 +116,7 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
+def build_config(hf: Any, model_type: str, path: Path) -> ModelConfig:
     name = str(path)
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     if act not in ("silu", "gelu_pytorch_tanh"):
@@ -163,7 +131,7 @@ def _build(hf: Any, model_type: str, path: Path) -> ModelConfig:
             name, f"num_attention_heads {num_heads} is not a multiple of kv heads {num_kv_heads}"
         )
     max_pos = int(hf.max_position_embeddings)
-    gen = _read_json(path, "generation_config.json", required=False)
+    gen = read_json(path, "generation_config.json", required=False)
     eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(gen.get("eos_token_id"))
     bos = getattr(hf, "bos_token_id", None)
     if bos is None:
@@ -221,7 +189,7 @@ def _token_ids(value: object) -> tuple[int, ...]:
     return ()
 
 
-def _read_json(path: Path, filename: str, *, required: bool) -> dict[str, Any]:
+def read_json(path: Path, filename: str, *, required: bool) -> dict[str, Any]:
     name = str(path)
     if not path.exists():
         raise ModelLoadError(name, "directory does not exist")
@@ -235,12 +203,12 @@ def _read_json(path: Path, filename: str, *, required: bool) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(name, f"{filename} is not valid JSON: {_one_line(exc)}") from exc
+        raise ModelLoadError(name, f"{filename} is not valid JSON: {one_line(exc)}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(name, f"{filename} is not a JSON object")
     return data
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -25,7 +25,8 @@ CACHE = DiskCache(
     format=FORMAT,
     files=("config.json", "generation_config.json"),
     libraries=("transformers",),
-    # The code that turns those files into a ModelConfig: an edit to it is a new key.
+    # The code that turns those files into a ModelConfig: an edit to it is a new key (the
+    # few lines of config_loader that join them change FORMAT instead).
     code=(architectures, config_module, rope_params),
 )
 

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from tgengine.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep, LayerRun
+from tgengine.kernels.elementwise import ACTIVATIONS
 from tgengine.models.attention import KernelDecodePlan
-from tgengine.models.fused import fused_rows
+from tgengine.models.decoder_layer import DecoderLayer
 from tgengine.models.gemm import Gemm, Panels
-from tgengine.models.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep, LayerRun
-from tgengine.models.kernels.elementwise import ACTIVATIONS
 from tgengine.models.layers import MLP
-
-if TYPE_CHECKING:
-    from tgengine.models.llama import DecoderLayer
-    from tgengine.models.self_attention import StepContext
-
+from tgengine.models.self_attention import StepContext
 
 Segment = tuple[int, int, LayerRun | None]
 """Layers ``[start, stop)``: one call for all of them, or (None) one layer's own forward."""
@@ -54,8 +49,7 @@ class DecodeCalls:
         # sleep its storage.
         norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
         self._norms = [module._parameters for pair in norms for module in pair]
-        projs = [module for layer in layers for module in layer.self_attn._projs]
-        self._projs = [module._parameters for module in projs if module.bias is not None]
+        self._projs = [d for layer in layers for d in layer.self_attn.bias_params]
         self._segments: list[Segment] = []
         self._key: tuple[int | None, ...] | None = None
 
@@ -112,9 +106,9 @@ def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall |
     dtype = attn.qkv.dtype
     if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
         return None
-    bias = None
-    if attn._projs[0].bias is not None:
-        bias = fused_rows([p.bias for p in attn._projs if p.bias is not None]).to(dtype)
+    bias = attn.qkv_bias()
+    if bias is not None:
+        bias = bias.to(dtype)
     return DecodeLayerCall(
         dtype=dtype,
         weights=[p.data for p in panels],

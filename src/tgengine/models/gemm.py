@@ -38,7 +38,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from tgengine.models import kernels
+from tgengine import kernels
 from tgengine.models.fused import fused_rows
 
 GEMV_MAX_ROWS = 2

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgengine.kernels import elementwise
 from tgengine.models.gemm import Gemm, LinearWeights
-from tgengine.models.kernels import elementwise
 from tgengine.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from tgengine.runtime.parallel import ParallelContext
 

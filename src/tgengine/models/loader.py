@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from tgengine.errors import ModelLoadError
+from tgengine.models.causal_lm import CausalLM
 from tgengine.models.config import ModelConfig, resolve_dtype
-from tgengine.models.llama import CausalLM
 from tgengine.models.safetensors_reader import StoredTensor, stored_tensors
 from tgengine.models.shard import Shard
 from tgengine.runtime.parallel import ParallelContext

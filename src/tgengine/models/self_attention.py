@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tgengine.kernels import elementwise
 from tgengine.models.attention import AttentionPlan, paged_attention, write_kv
 from tgengine.models.config import ModelConfig
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
-from tgengine.models.kernels import elementwise
 from tgengine.models.kv_cache import KVCache
 from tgengine.models.layers import RMSNorm
 from tgengine.models.parallel_layers import (
@@ -87,11 +87,21 @@ class Attention(nn.Module):
     def linear_weights(self) -> list[LinearWeights]:
         return [self.qkv, self.o]
 
+    @property
+    def bias_params(self) -> list[dict[str, torch.Tensor | None]]:
+        """The parameter dicts that hold the q/k/v biases (none without biases): a loader
+        may replace a parameter object there, a sleep its storage."""
+        return [p._parameters for p in self._projs if p.bias is not None]
+
+    def qkv_bias(self) -> torch.Tensor | None:
+        """The q/k/v biases as the one row block the fused product adds (None: no bias)."""
+        if self._projs[0].bias is None:
+            return None
+        return fused_rows([p.bias for p in self._projs if p.bias is not None])
+
     def forward(self, x: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
         rows = x.shape[0]
-        bias = None
-        if self._projs[0].bias is not None:
-            bias = fused_rows([p.bias for p in self._projs if p.bias is not None])
+        bias = self.qkv_bias()
         qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
         cos, sin = step.rotary[self.rope_index]

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from tgengine.models.causal_lm import CausalLM
 from tgengine.models.gemm import LinearWeights
-from tgengine.models.llama import CausalLM
 
 
 def pack_weights(model: CausalLM) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import kernels
+from .. import kernels
 from .logits_processors import LogitsProcessor, SamplingRow, apply_processors, default_processors
 from .logprobs import TokenLogprobs, token_logprobs
 

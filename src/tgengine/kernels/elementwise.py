@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tgengine.models import kernels
+from tgengine import kernels
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tgengine.models import kernels
-from tgengine.models.kernels.elementwise import ACTIVATIONS
+from tgengine import kernels
+from tgengine.kernels.elementwise import ACTIVATIONS
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
