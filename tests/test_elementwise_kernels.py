@@ -18,8 +18,9 @@ from test_model_fast_paths import _prefill_then_decode, _prompts
 from tgengine import kernels
 from tgengine.kernels import elementwise
 from tgengine.kernels.decode_layer import DecodeStep, LayerRun
-from tgengine.models import causal_lm, fused_decode, load_model, load_model_config
+from tgengine.models import CausalLM, causal_lm, fused_decode, load_model, load_model_config
 from tgengine.models.attention import write_kv
+from tgengine.models.gemm import can_pack_panels, can_prepack
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
@@ -188,6 +189,21 @@ def test_a_model_gives_the_same_logits_with_the_kernels_on_and_off(
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def _isa() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _skip_unless_panels(model: CausalLM, dtype: torch.dtype) -> None:
+    """Skip where ``pack_weights`` would not give the layers tgengine's panels, which the
+    one-call decode reads (``Gemm.packed_form``: the same predicate ``pack`` follows)."""
+    form = model.gemm.packed_form(dtype)
+    if form not in ("panels", "int8"):
+        pytest.skip(
+            f"{dtype} weights pack as {form!r} on this CPU ({_isa()}; oneDNN where it has "
+            "AVX-512 BF16): the one-call decode reads tgengine's panels"
+        )
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(
     ("arch", "overrides"),
@@ -214,6 +230,7 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     model = load_model(config, model_dir, dtype, "cpu")
     model.gemm.prepack = True
     model.gemm.quantization = quantization  # int8 panels: an update quantizes again
+    _skip_unless_panels(model, dtype)
     pack_weights(model)
     runs: list[tuple[int, int]] = []
     original = causal_lm.run_layers
@@ -260,6 +277,7 @@ def test_a_layer_call_keeps_no_weights_alive_and_follows_a_reload(tmp_path: Path
     config = load_model_config(model_dir)
     model = load_model(config, model_dir, torch.bfloat16, "cpu")
     model.gemm.prepack = True
+    _skip_unless_panels(model, torch.bfloat16)
     pack_weights(model)
     prompts = _prompts(config.vocab_size, [5, 9, 2])
     before = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
@@ -284,3 +302,30 @@ def test_a_layer_call_keeps_no_weights_alive_and_follows_a_reload(tmp_path: Path
     pack_weights(model)
     after = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
     assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("prepack", [False, True])
+def test_the_one_call_decode_applies_exactly_where_the_weights_are_panels(
+    prepack: bool, tmp_path: Path
+) -> None:
+    # The predicate the skips above take: wherever it says panels, every layer is in one
+    # call; anywhere else (plain weights, oneDNN's layout) none is, and the step still runs.
+    model_dir = make_tiny_model_dir(tmp_path / "llama", "llama", head_dim=32)
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, torch.bfloat16, "cpu")
+    model.gemm.prepack = prepack
+    pack_weights(model)
+    panels = model.gemm.packed_form(torch.bfloat16) in ("panels", "int8")
+    assert panels == (
+        prepack and can_pack_panels(torch.bfloat16) and not can_prepack(torch.bfloat16)
+    )
+    segments = model.decode_calls.segments()
+    assert [run is not None for _, _, run in segments] == (
+        [True] if panels else [False] * config.num_layers
+    )
+    prompts = _prompts(config.vocab_size, [5, 9, 2])
+    got = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    plain = load_model(config, model_dir, torch.bfloat16, "cpu")
+    plain.use_kernels = False
+    want = _prefill_then_decode(plain, [list(p) for p in prompts], torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)

@@ -197,27 +197,42 @@ class Gemm:
             return _upcast_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def can_pack(self, weights: LinearWeights) -> bool:
-        dtype = weights.dtype
+    def packed_form(
+        self, dtype: torch.dtype, device: torch.device | str = "cpu", *, rows_read: bool = False
+    ) -> str | None:
+        """What ``pack`` makes of a ``dtype`` weight on ``device`` here: ``"int8"`` panels,
+        half-precision ``"panels"`` (both tgengine's ``Panels``), oneDNN's layout
+        (``"onednn"``), or None (it stays plain). The one-call decode reads panels only
+        (``models.fused_decode``), so the tests that expect it ask this."""
+        if not self.prepack or torch.device(device).type != "cpu":
+            return None
         if self.quantization == "int8":
-            return self.prepack and weights.device.type == "cpu" and can_pack_panels(dtype)
-        onednn = can_prepack(dtype) and not weights.rows_read
-        return self.prepack and weights.device.type == "cpu" and (onednn or can_pack_panels(dtype))
+            return "int8" if can_pack_panels(dtype) else None
+        if can_prepack(dtype) and not rows_read:
+            return "onednn"
+        return "panels" if can_pack_panels(dtype) else None
+
+    def can_pack(self, weights: LinearWeights) -> bool:
+        return self._form(weights) is not None
+
+    def _form(self, weights: LinearWeights) -> str | None:
+        return self.packed_form(weights.dtype, weights.device, rows_read=weights.rows_read)
 
     def pack(self, weights: LinearWeights) -> None:
         """Replace the plain weight by its packed form (a no-op where packing is off or absent).
 
         Peak memory: the plain and the packed form of this one weight, for a moment.
         """
-        if weights.packed is not None or not self.can_pack(weights):
+        form = self._form(weights)
+        if weights.packed is not None or form is None:
             return
         packed: torch.Tensor | Panels
         with torch.inference_mode(False), torch.no_grad():
             plain = weights.plain().detach()
-            if self.quantization == "int8":
+            if form == "int8":
                 data, scales = kernels.quantize_panels(plain)
                 packed = Panels(data, int(plain.shape[0]), scales, plain.dtype)
-            elif can_prepack(plain.dtype) and not weights.rows_read:
+            elif form == "onednn":
                 packed = torch.ops.mkldnn._reorder_linear_weight(plain)
             else:
                 packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))
