@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tgengine.cli.main import build_parser
+from tgengine.kernels.isa import isa
 
 QUICK = ["--quick", "--dtype", "float32", "--device", "cpu", "--threads", "1", "--no-progress"]
 
@@ -34,13 +35,17 @@ def run_bench(
     )
     assert args.handler(args) == 0
     printed = capsys.readouterr().out
-    assert f"== bench {command} ==" in printed
+    # Every table, JSON and chart names the ISA its figures were measured on.
+    title = f"== bench {command} ({isa()}) =="
+    assert title in printed
+    assert title in (out / f"{command}.txt").read_text()
     for suffix in ("json", "txt", "png"):
         assert (out / f"{command}.{suffix}").stat().st_size > 0
     result: dict[str, Any] = json.loads((out / f"{command}.json").read_text())
     assert result["bench"] == command
     assert {"setup", "machine"} <= result.keys()
     assert result["machine"]["torch"] == torch.__version__
+    assert result["machine"]["isa"] == isa()
     return result
 
 

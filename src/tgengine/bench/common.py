@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..kernels.isa import isa
 from ..models import ModelConfig, load_model_config
 from .roofline import MachineLimits, gemm_rate, measure_machine, measure_seconds, pick_threads
 
@@ -178,6 +179,7 @@ def machine_info(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
+        "isa": isa(),
         "cores": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),

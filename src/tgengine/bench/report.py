@@ -74,16 +74,23 @@ def best_peer_ratios(result: dict[str, Any]) -> list[str]:
     return [f"{k}: {v:.2f}" for k, v in result.get("ratios", {}).items() if "(best)" in k]
 
 
+def isa_suffix(result: dict[str, Any]) -> str:
+    """`` (avx2)``: the CPU's ISA (``kernels.isa``) that every figure of a result was
+    measured on, for its titles; empty for a result without a machine."""
+    isa = result.get("machine", {}).get("isa")
+    return f" ({isa})" if isa else ""
+
+
 def render(result: dict[str, Any]) -> str:
     """The human-readable report of one bench result."""
     kind = result["bench"]
-    lines = [f"== bench {kind} =="]
     machine = result.get("machine")
+    lines = [f"== bench {kind}{isa_suffix(result)} =="]
     if machine:
         where = machine.get("gpu") or f"{machine['cpu']} ({machine['cores']} cores)"
         lines.append(
-            f"machine: {where}, torch {machine['torch']}, transformers "
-            f"{machine['transformers']}, {machine['date']}"
+            f"machine: {where}, ISA {machine.get('isa', 'unknown')}, torch {machine['torch']}, "
+            f"transformers {machine['transformers']}, {machine['date']}"
         )
     setup = result.get("setup")
     if setup:
@@ -369,127 +376,8 @@ def save(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths[0].write_text(json.dumps(result, indent=2, default=str) + "\n")
     paths[1].write_text(render(result) + "\n")
     png = out / f"{kind}.png"
+    from .plots import plot  # matplotlib is optional, and slow to import
+
     if plot(result, png):
         paths.append(png)
     return paths
-
-
-def plot(result: dict[str, Any], path: Path) -> bool:
-    """Draw the result's chart into ``path``; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    kind = result["bench"]
-    ratios = best_peer_ratios(result)
-    text_in = 0.22  # inches per ratio line under the charts
-    height = 4.5 + text_in * len(ratios)
-    fig, axes = plt.subplots(1, 2, figsize=(12, height))
-    if kind in ("throughput", "batch32"):
-        rows = result["rows"]
-        names = [r["system"] for r in rows]
-        axes[0].barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
-        axes[0].set_xlabel("output tokens/s")
-        axes[0].invert_yaxis()
-        axes[1].barh(
-            names, [100 * r.get("fraction_of_compute_floor", 0) for r in rows], color="tab:orange"
-        )
-        axes[1].set_xlabel("% of the compute floor (measured GEMM rate)")
-        axes[1].invert_yaxis()
-    elif kind == "latency":
-        rows = result["rows"]
-        systems = sorted({r["system"] for r in rows})
-        lens = sorted({r["prompt_len"] for r in rows})
-        width = 0.8 / max(1, len(systems))
-        for i, system in enumerate(systems):
-            by_len = {r["prompt_len"]: r for r in rows if r["system"] == system}
-            xs = [j + i * width for j in range(len(lens))]
-            axes[0].bar(
-                xs,
-                [by_len.get(n, {}).get("decode_tokens_per_s", 0) for n in lens],
-                width,
-                label=system,
-            )
-            axes[1].bar(xs, [by_len.get(n, {}).get("ttft_s", 0) for n in lens], width, label=system)
-        # The floor at the bench's own threads (a peer's row may be at others).
-        own = [r for r in rows if "peer" not in r] or rows
-        floors = {r["prompt_len"]: r["memory_floor_tokens_per_s"] for r in own}
-        axes[0].plot(
-            [j + 0.4 - width / 2 for j in range(len(lens))],
-            [floors[n] for n in lens],
-            "k_",
-            markersize=30,
-            label="memory floor",
-        )
-        for ax, label in (
-            (axes[0], "decode tokens/s (batch 1)"),
-            (axes[1], "time to first token (s)"),
-        ):
-            ax.set_xticks(
-                [j + 0.4 - width / 2 for j in range(len(lens))], [f"prompt {n}" for n in lens]
-            )
-            ax.set_ylabel(label)
-            ax.legend()
-    elif kind == "parity":
-        for dtype in dict.fromkeys(r["dtype"] for r in result["rows"]):
-            rows = [r for r in result["rows"] if r["dtype"] == dtype]
-            axes[0 if dtype == "float32" else 1].bar(
-                [str(r["prompt_len"]) for r in rows],
-                [100 * r["matched_prefix"] / max(1, r["num_tokens"]) for r in rows],
-            )
-            axes[0 if dtype == "float32" else 1].set_title(f"{dtype}: % of tokens equal")
-    elif kind == "structured":
-        rows = result["rows"]
-        parts = ["forward_ms", "sample_ms", "grammar_fill_ms", "grammar_mask_ms"]
-        names = [r["run"] for r in rows]
-        for part in parts:
-            axes[0].bar(names, [r[part] for r in rows], label=part)
-        axes[0].set_ylabel("ms per decode step (not stacked)")
-        axes[0].legend()
-        compile_ms = result["compile_ms"]
-        axes[1].barh(list(compile_ms), list(compile_ms.values()), color="tab:purple")
-        axes[1].set_xlabel("ms")
-        axes[1].invert_yaxis()
-    elif kind == "lifecycle":
-        ops = result["seconds"]
-        axes[0].barh(list(ops), list(ops.values()), color="tab:green")
-        axes[0].set_xlabel("seconds")
-        axes[0].invert_yaxis()
-        rss = [b / _MIB for b in result["drift"]["rss_per_cycle_bytes"]]
-        axes[1].plot(range(len(rss)), rss, marker="o")
-        axes[1].set_xlabel("sleep/wakeup cycle")
-        axes[1].set_ylabel("process RSS (MiB)")
-    elif kind == "memory":
-        rows = result["rows"]
-        names = [r["system"] for r in rows]
-        for i, key in enumerate(("load_peak_rss_bytes", "steady_rss_bytes", "weights_bytes")):
-            axes[0].barh(
-                [j + 0.25 * i for j in range(len(rows))],
-                [(r.get(key) or 0) / _MIB for r in rows],
-                height=0.25,
-                label=key.removesuffix("_bytes"),
-            )
-        axes[0].set_yticks(range(len(rows)), names)
-        axes[0].set_xlabel("MiB")
-        axes[0].legend()
-        axes[1].barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
-        axes[1].set_xlabel("batch-1 decode tokens/s")
-    elif kind == "startup":
-        runs = [str(r["run"]) for r in result["rows"]]
-        axes[0].bar(runs, [r["first_byte_s"] for r in result["rows"]], color="tab:blue")
-        axes[0].set_xlabel("run")
-        axes[0].set_ylabel("seconds to the first token")
-        axes[1].bar(runs, [r["exit_s"] for r in result["rows"]], color="tab:orange")
-        axes[1].set_xlabel("run")
-        axes[1].set_ylabel("seconds to exit")
-    fig.suptitle(f"tgengine bench {kind}")
-    line_h = text_in / height
-    fig.tight_layout(rect=(0, line_h * len(ratios) + 0.01, 1, 1))
-    for i, line in enumerate(ratios):
-        fig.text(0.01, line_h * (len(ratios) - 1 - i) + 0.01, line, fontsize=9)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True

@@ -76,8 +76,9 @@ def summarize_dir(out_dir: str | Path) -> str:
             continue
         result = json.loads(path.read_text())
         m = result.get("machine", {})
-        machine = (
-            machine or f"{m.get('gpu') or m.get('cpu')}, torch {m.get('torch')}, {m.get('date')}"
+        machine = machine or (
+            f"{m.get('gpu') or m.get('cpu')}, ISA {m.get('isa', 'unknown')}, "
+            f"torch {m.get('torch')}, {m.get('date')}"
         )
         rows.extend(_rows(kind, result))
     if not rows:

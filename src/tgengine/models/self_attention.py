@@ -88,7 +88,7 @@ class Attention(nn.Module):
         return [self.qkv, self.o]
 
     @property
-    def bias_params(self) -> list[dict[str, torch.Tensor | None]]:
+    def bias_params(self) -> list[dict[str, nn.Parameter | None]]:
         """The parameter dicts that hold the q/k/v biases (none without biases): a loader
         may replace a parameter object there, a sleep its storage."""
         return [p._parameters for p in self._projs if p.bias is not None]
