@@ -12,6 +12,7 @@
 // For the common layer only: pre-norms, no per-head q/k norm, a dense gated MLP, weights
 // packed into panels (bf16/fp16, or int8 with row scales), one rank. Compiled with the other
 // kernels by tgengine.models.kernels.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -64,15 +65,58 @@ struct DecodeStep {
   const int64_t* lens[kKinds];    // [rows]
   int64_t rot_dim[kKinds];
   int64_t table_width[kKinds];
+  // Null, or where the call adds the nanoseconds of its products [0] and attention [1]
+  // (rotary, KV store, attention): a bench's profile (tgengine.models.step_timers).
+  int64_t* spent_ns;
 };
 
 namespace {
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Adds the time from its construction to its end to spent[part], when profiling.
+struct Timed {
+  int64_t* spent;
+  int part;
+  int64_t start;
+  Timed(int64_t* spent_ns, int which) : spent(spent_ns), part(which), start(spent ? now_ns() : 0) {}
+  ~Timed() {
+    if (spent) spent[part] += now_ns() - start;
+  }
+};
+
 // A product on half-precision panels, or on int8 ones where they have scales.
-int panel_product(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
-                  const void* scales, int64_t n, const void* bias, void* out, int threads) {
+int panel_product(const DecodeStep* S, int dtype, const void* x, int64_t m, int64_t k,
+                  const void* panels, const void* scales, int64_t n, const void* bias, void* out,
+                  int threads) {
+  Timed timed(S->spent_ns, 0);
   if (scales) return tg_panel_linear_q8(dtype, x, m, k, panels, scales, n, bias, out, threads, 0);
   return tg_panel_linear(dtype, x, m, k, panels, n, bias, out, threads);
+}
+
+// Rotate q and k, store k and v in the layer's cache, attend with the queries.
+int attend(const DecodeLayer* L, const DecodeStep* S, void* qkv, void* q, void* cache,
+           void* attn) {
+  Timed timed(S->spent_ns, 1);
+  const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(S->threads);
+  const int64_t rows = S->rows, d = L->head_dim;
+  const int64_t q_size = L->num_heads * d, qkv_size = (L->num_heads + 2 * L->num_kv_heads) * d;
+  const size_t elem = 2;  // bf16 / fp16
+  int status = tg_rope_store_kv(dtype, qkv, rows, L->num_heads, L->num_kv_heads, d,
+                                S->cos[L->rope], S->sin[L->rope], S->rot_dim[L->rope], cache,
+                                S->num_blocks * S->block_size, S->slot_mapping, threads);
+  if (status) return 300 + status;
+  for (int64_t r = 0; r < rows; ++r)  // the queries of each row, contiguous
+    std::memcpy(static_cast<char*>(q) + r * q_size * elem,
+                static_cast<char*>(qkv) + r * qkv_size * elem, q_size * elem);
+  status = tg_paged_decode(dtype, q, cache, S->tables[L->plan], S->lens[L->plan], attn, rows,
+                           L->num_heads, L->num_kv_heads, S->num_blocks, S->block_size, d,
+                           S->table_width[L->plan], L->window, L->scale, threads);
+  return status ? 400 + status : 0;
 }
 
 // A layer's intermediate results, allocated once per call and shared by its layers (grown
@@ -109,33 +153,24 @@ int decode_layer(const DecodeLayer* L, const DecodeStep* S, void* x, void* resid
                                L->unit_offset, h, threads);
   void* residual = residual_in ? residual_in : x;
   if (status) return 100 + status;
-  status = panel_product(dtype, h, rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
+  status = panel_product(S, dtype, h, rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
                          L->qkv_bias, qkv, threads);
   if (status) return 200 + status;
-  status = tg_rope_store_kv(dtype, qkv, rows, L->num_heads, L->num_kv_heads, d,
-                            S->cos[L->rope], S->sin[L->rope], S->rot_dim[L->rope], cache,
-                            S->num_blocks * S->block_size, S->slot_mapping, threads);
-  if (status) return 300 + status;
-  for (int64_t r = 0; r < rows; ++r)  // the queries of each row, contiguous
-    std::memcpy(q + r * q_size * elem, qkv + r * qkv_size * elem, q_size * elem);
-  status = tg_paged_decode(dtype, q, cache, S->tables[L->plan], S->lens[L->plan],
-                           attn, rows, L->num_heads, L->num_kv_heads, S->num_blocks,
-                           S->block_size, d, S->table_width[L->plan], L->window, L->scale,
-                           threads);
-  if (status) return 400 + status;
-  status = panel_product(dtype, attn, rows, q_size, L->o_panels, L->o_scales, hidden,
+  status = attend(L, S, qkv, q, cache, attn);
+  if (status) return status;
+  status = panel_product(S, dtype, attn, rows, q_size, L->o_panels, L->o_scales, hidden,
                          nullptr, o, threads);
   if (status) return 500 + status;
   status = tg_add_rms_norm(dtype, o, residual, L->post_norm, rows, hidden, L->eps,
                            L->unit_offset, h, threads);
   if (status) return 600 + status;
-  status = panel_product(dtype, h, rows, hidden, L->gate_up_panels, L->gate_up_scales,
+  status = panel_product(S, dtype, h, rows, hidden, L->gate_up_panels, L->gate_up_scales,
                          2 * L->inter, nullptr, gate_up, threads);
   if (status) return 700 + status;
   status = tg_act_mul(dtype, static_cast<int>(L->act), gate_up, rows, L->inter,
                       inner, threads);
   if (status) return 800 + status;
-  status = panel_product(dtype, inner, rows, L->inter, L->down_panels, L->down_scales,
+  status = panel_product(S, dtype, inner, rows, L->inter, L->down_panels, L->down_scales,
                          hidden, nullptr, out, threads);
   return status ? 900 + status : 0;
 }

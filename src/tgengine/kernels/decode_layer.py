@@ -80,6 +80,7 @@ class DecodeStep(ctypes.Structure):
         ("lens", _PTR * KINDS),
         ("rot_dim", _I64 * KINDS),
         ("table_width", _I64 * KINDS),
+        ("spent_ns", _PTR),  # null, or an int64[2]: ns in products, in attention (profiling)
     ]
 
 
@@ -160,6 +161,7 @@ def run_layers(
     step: DecodeStep,
     x: torch.Tensor,
     residual: torch.Tensor | None,
+    spent_ns: ctypes.Array[ctypes.c_int64] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mlp output, residual stream)`` after the consecutive layers of ``run``, as their
     ``DecoderLayer.forward`` one after the other would give.
@@ -167,10 +169,13 @@ def run_layers(
     ``x`` and ``residual`` ``[rows, hidden]`` contiguous (``residual`` None before the first
     layer: ``x`` is then the stream, and is written in place like ``residual``); ``step``
     filled by ``fused_decode.decode_step`` for this forward, its tensors still alive.
+    ``spent_ns``: an ``int64[2]`` the call adds its nanoseconds in products and in attention
+    to (``models.step_timers``; None: nothing is timed).
     """
     out = torch.empty_like(x)
     lib = kernels.load()
     assert lib is not None
+    step.spent_ns = None if spent_ns is None else ctypes.cast(spent_ns, _PTR).value
     status = lib.tg_decode_layers(
         run.args,
         len(run.calls),

@@ -8,6 +8,7 @@ float32 logits for ``inputs.logits_rows`` only.
 
 from __future__ import annotations
 
+import ctypes
 from typing import cast
 
 import torch
@@ -34,6 +35,7 @@ from tgengine.models.parallel_layers import (
 )
 from tgengine.models.rope import RotaryEmbedding
 from tgengine.models.self_attention import StepContext
+from tgengine.models.step_timers import ForwardTimes
 from tgengine.runtime.parallel import ParallelContext
 
 
@@ -94,6 +96,16 @@ class CausalLM(nn.Module):
         self.weight_shards = shard_map(self)
         """``{parameter name: its Shard of the checkpoint's full tensor}``."""
 
+    @property
+    def timers(self) -> ForwardTimes | None:
+        """Where the forwards add their time in products and in attention, while a bench
+        profiles (``models.step_timers``); None (the default): nothing is timed."""
+        return self.gemm.timers
+
+    @timers.setter
+    def timers(self, timers: ForwardTimes | None) -> None:
+        self.gemm.timers = timers
+
     def _kernel_fits(self, kv_cache: KVCache, *, prefill: bool = False) -> bool:
         c = self.config
         groups = local_heads(c, self.parallel) // local_kv_heads(c, self.parallel)
@@ -112,14 +124,19 @@ class CausalLM(nn.Module):
         decode_args = None
         alive: list[torch.Tensor] = []  # what decode_args points into, until the calls return
         residual: torch.Tensor | None = None
+        timers = self.timers
+        spent = None if timers is None else (ctypes.c_int64 * 2)()
         for start, _, run in segments:
             if run is None:
                 x, residual = layers[start](x, residual, step, start)
                 continue
             if decode_args is None:
                 decode_args, alive = decode_step(step, self._windows)
-            x, residual = run_layers(run, decode_args, x.contiguous(), residual)
+            x, residual = run_layers(run, decode_args, x.contiguous(), residual, spent)
         del alive
+        if timers is not None and spent is not None:
+            timers.products_s += spent[0] * 1e-9
+            timers.attention_s += spent[1] * 1e-9
         assert residual is not None
         return x, residual
 

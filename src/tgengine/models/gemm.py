@@ -31,6 +31,7 @@ All paths compute the same products; only the kernels differ.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from tgengine import kernels
 from tgengine.models.fused import fused_rows
+from tgengine.models.step_timers import ForwardTimes
 
 GEMV_MAX_ROWS = 2
 HALF_KERNEL_MAX_ROWS = 8  # measured: above it, widening a slice and oneDNN's sgemm win
@@ -156,6 +158,8 @@ class Gemm:
         """Host memory the packed weights take (the plain ones they replaced are freed)."""
         self.generation = 0
         """Counts the packed forms made and forgotten: a new value means some moved."""
+        self.timers: ForwardTimes | None = None
+        """Where each product's time is added, while a bench profiles (``models.step_timers``)."""
 
     def linear(
         self,
@@ -166,10 +170,27 @@ class Gemm:
         float_output: bool = False,
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``; ``float_output``: as float32 (its ``.float()``)."""
+        timers = self.timers
+        if timers is None:
+            return self._linear(x, weight, bias, float_output=float_output)
+        start = time.perf_counter()
+        try:
+            return self._linear(x, weight, bias, float_output=float_output)
+        finally:
+            timers.products_s += time.perf_counter() - start
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: LinearWeights | torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        float_output: bool = False,
+    ) -> torch.Tensor:
         if float_output:
             if isinstance(weight, LinearWeights) and isinstance(weight.packed, Panels):
                 return weight.packed.linear(x, bias, float_output=True)
-            return self.linear(x, weight, bias).float()
+            return self._linear(x, weight, bias).float()
         if isinstance(weight, LinearWeights):
             packed = weight.packed
             if isinstance(packed, Panels):

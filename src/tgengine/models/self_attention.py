@@ -103,6 +103,16 @@ class Attention(nn.Module):
         rows = x.shape[0]
         bias = self.qkv_bias()
         qkv = step.gemm.linear(x, self.qkv, bias).view(rows, -1, self.head_dim)
+        timers = step.gemm.timers
+        if timers is None:
+            out = self._attend(qkv, step, layer)
+        else:
+            with timers.attention():
+                out = self._attend(qkv, step, layer)
+        return step.gemm.linear(out.reshape(rows, -1), self.o)
+
+    def _attend(self, qkv: torch.Tensor, step: StepContext, layer: int) -> torch.Tensor:
+        """Rotate queries and keys, store keys and values, attend: ``[rows, heads, dim]``."""
         heads = self.num_heads + self.num_kv_heads
         cos, sin = step.rotary[self.rope_index]
         blocks = step.kv_cache.layer_heads(layer)
@@ -123,8 +133,7 @@ class Attention(nn.Module):
         v = qkv[:, heads:]
         if not stored:
             write_kv(blocks, step.inputs.slot_mapping, k, v)
-        out = paged_attention(q, k, v, blocks, step.plans[self.window], self.scale)
-        return step.gemm.linear(out.reshape(rows, -1), self.o)
+        return paged_attention(q, k, v, blocks, step.plans[self.window], self.scale)
 
     def _fuses(
         self,
