@@ -242,3 +242,30 @@ def test_a_failing_start_names_its_error(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="failed \\(2\\)"):
         time_one_start([sys.executable, "-m", "tgengine", "generate", "--no-such-option"], 60)
+
+
+def test_step_splits_each_kind_of_step_into_parts_that_sum_to_it(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_bench("step", tiny_llama_dir, tmp_path, capsys=capsys)
+    workload = result["workload"]
+    assert workload == {"num_seqs": 4, "prompt_len": "8-24", "max_tokens": 6, "seed": 0}
+    rows = {row["kind"]: row for row in result["rows"]}
+    assert list(rows) == ["decode", "prefill"]
+    # The 4 prompts fit one step; then 5 decode steps of all 4, the last one (no forward
+    # after it to end its period) not counted.
+    assert rows["prefill"]["num_steps"] == 1 and 4 * 8 <= rows["prefill"]["rows"] <= 4 * 24
+    assert rows["decode"]["num_steps"] == workload["max_tokens"] - 2
+    assert rows["decode"]["rows"] == 4
+    for kind, row in rows.items():
+        parts = [row[f"{part}_ms"] for part in ("products", "attention", "rest_of_model")]
+        parts += [row["sampling_ms"], row["engine_ms"]]
+        assert all(p > 0 for p in parts), (kind, parts)
+        assert sum(parts) == pytest.approx(row["step_ms"]), kind
+        assert sum(parts[:3]) == pytest.approx(row["forward_ms"]), kind
+        assert row["floor_ms"] == pytest.approx(
+            max(row["floor_products_ms"], row["floor_weights_ms"]) + row["floor_kv_ms"]
+        )
+        assert row["floor_kv_ms"] > 0 and row["step_over_floor"] > 0
+    printed = (tmp_path / "step.txt").read_text()
+    assert "rest of model" in printed and "step/floor" in printed

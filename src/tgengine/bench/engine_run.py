@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..engine.engine import Engine
+from ..models.step_timers import ForwardTimes
 from ..sampling import SamplingParams
 from .common import BenchSetup
 from .workload import BenchRequest
@@ -115,6 +116,16 @@ def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> 
 # -- where a step's time goes ----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ForwardParts:
+    """One forward's time in products and attention (``models.step_timers``) and its size."""
+
+    products_s: float
+    attention_s: float
+    logits_rows: int
+    kv_tokens: int  # context tokens whose keys and values the step's attention reads
+
+
 @dataclass
 class StepProfiler:
     """Intervals of named functions, recorded while ``profile_steps`` is active."""
@@ -122,6 +133,8 @@ class StepProfiler:
     intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # (start, end, rows, decode rows) of each forward
     forwards: list[tuple[float, float, int, int]] = field(default_factory=list)
+    # With ``profile_steps(split=True)``, one per forward: its ``ForwardParts``.
+    parts: list[ForwardParts] = field(default_factory=list)
 
     def record(self, name: str, start: float, end: float) -> None:
         self.intervals.setdefault(name, []).append((start, end))
@@ -193,12 +206,16 @@ def _wrap(profiler: StepProfiler, name: str, fn: Callable[..., Any]) -> Callable
 
 
 @contextlib.contextmanager
-def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[StepProfiler]:
+def profile_steps(
+    extra: tuple[tuple[Any, str, str], ...] = (), *, split: bool = False
+) -> Iterator[StepProfiler]:
     """Time the model forward and the engine's per-step helpers while the block runs.
 
     Instrumentation for the bench only: it wraps functions of tgengine's modules in place and
     restores them on exit. A helper that does not exist (renamed) is simply not timed.
     ``extra`` names more helpers to time: ``(module or class, attribute, name)``.
+    ``split``: each forward also runs with ``CausalLM.timers`` (its products and attention,
+    in ``StepProfiler.parts``), and the agent's whole sampling is timed as ``sampling``.
     """
     from ..agent import agent as model_agent
     from ..core import scheduler
@@ -219,20 +236,36 @@ def profile_steps(extra: tuple[tuple[Any, str, str], ...] = ()) -> Iterator[Step
     forward = causal_lm.CausalLM.forward
 
     def timed_forward(self: Any, inputs: Any, kv_cache: Any) -> Any:
+        timers = ForwardTimes() if split else None
+        self.timers = timers
         start = time.perf_counter()
         try:
             return forward(self, inputs, kv_cache)
         finally:
             if inputs.input_ids.device.type == "cuda":
                 torch.cuda.synchronize(inputs.input_ids.device)  # else it times the launches
+            end = time.perf_counter()
+            self.timers = None
             rows = int(inputs.num_rows)
-            profiler.forwards.append(
-                (start, time.perf_counter(), rows, int(inputs.decode_rows.shape[0]))
-            )
+            profiler.forwards.append((start, end, rows, int(inputs.decode_rows.shape[0])))
+            if timers is not None:
+                logits = inputs.logits_rows
+                kv = int(inputs.decode_context_lens.sum())
+                kv += sum(span.context_len for span in inputs.prefills)
+                profiler.parts.append(
+                    ForwardParts(
+                        timers.products_s,
+                        timers.attention_s,
+                        rows if logits is None else int(logits.numel()),
+                        kv,
+                    )
+                )
 
     patches.append((causal_lm.CausalLM, "forward", forward))
     causal_lm.CausalLM.forward = timed_forward  # type: ignore[method-assign]
     patch(model_agent, "prepare_inputs", "prepare_inputs")
+    if split:
+        patch(model_agent, "sample_step", "sampling")
     patch(sampler.Sampler, "__call__", "sample")
     patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")
     patch(scheduler.Scheduler, "schedule", "schedule")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import step_split
 from .report import best_peer_ratios, isa_suffix
 
 _MIB = 1024**2
@@ -113,6 +114,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[0].legend()
         axes[1].barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
         axes[1].set_xlabel("batch-1 decode tokens/s")
+    elif kind == "step":
+        step_split.plot(result, axes)
     elif kind == "startup":
         runs = [str(r["run"]) for r in result["rows"]]
         axes[0].bar(runs, [r["first_byte_s"] for r in result["rows"]], color="tab:blue")

@@ -273,6 +273,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--max-tokens", type=int, help="default: 8")
     p.set_defaults(handler=run, runner=_startup)
 
+    p = benches.add_parser(
+        "step", help="a step's time split (products, attention, rest, sampling, engine) vs floor"
+    )
+    _common(p)
+    p.add_argument("--num-seqs", type=int, help="requests at once (default: 32; quick: 4)")
+    p.add_argument(
+        "--prompt-lens", type=_ints, help="prompt lengths lo,hi (default: 300,430; quick: 8,24)"
+    )
+    p.add_argument("--max-tokens", type=int, help="tokens each (default: 32; quick: 6)")
+    p.set_defaults(handler=run, runner=_step)
+
     p = benches.add_parser("memory", help="host memory of a synthetic 1B Llama: load, steady")
     _common(p)
     p.add_argument(
@@ -361,6 +372,19 @@ def _structured(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         setup,
         num_requests=_pick(args.num_requests, 32, 4, args),
         prompt_len=_pick(args.prompt_len, 32, 8, args),
+        max_tokens=_pick(args.max_tokens, 32, 6, args),
+        seed=args.seed,
+    )
+
+
+def _step(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from ..bench.step_split import run_step_split
+
+    lens = _pick(args.prompt_lens, (300, 430), (8, 24), args)
+    return run_step_split(
+        setup,
+        num_seqs=_pick(args.num_seqs, 32, 4, args),
+        prompt_len=(lens[0], lens[-1]),
         max_tokens=_pick(args.max_tokens, 32, 6, args),
         seed=args.seed,
     )
