@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tgengine.kernels import elementwise
 from tgengine.kernels.decode_layer import DecodeStep, LayerRun
 from tgengine.models import CausalLM, causal_lm, fused_decode, load_model, load_model_config
 from tgengine.models.attention import write_kv
+from tgengine.models.decoder_layer import DecoderLayer
 from tgengine.models.gemm import can_pack_panels, can_prepack
 from tgengine.models.layers import RMSNorm, activation
 from tgengine.models.loader import iter_stored, load_weights
@@ -253,22 +255,29 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_path(
     norm.weight.data = torch.randn(norm.weight.shape).to(dtype)
     updated = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert len(runs) == 2
-    one_call = fused_decode.decode_call
+    one_call, glued_call = fused_decode.decode_call, fused_decode.glued_call
     monkeypatch.setattr(fused_decode, "decode_call", lambda *args: None)
+    monkeypatch.setattr(fused_decode, "glued_call", lambda *args: None)
     model.decode_calls.clear()
     want = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
     assert len(runs) == 2, "the layer-by-layer path made no call"
     assert torch.equal(updated, want), "same kernels in the same order: the same bits"
-    # A layer that does not qualify splits the others into runs around it.
+    # A layer without its one call splits the others into runs around it; glued, or
+    # (where it does not qualify at all) its own forward.
     monkeypatch.setattr(
         fused_decode,
         "decode_call",
         lambda layer, i, *args: None if i == 1 else one_call(layer, i, *args),
     )
-    model.decode_calls.clear()
-    split = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
-    assert config.num_layers == 3 and runs[2:] == [(1, len(prompts))] * 2
-    assert torch.equal(split, want)
+    for glued in (glued_call, lambda *args: None):
+        monkeypatch.setattr(fused_decode, "glued_call", glued)
+        model.decode_calls.clear()
+        kinds = [type(run).__name__ for _, _, run in model.decode_calls.segments()]
+        middle = "GluedRun" if glued is glued_call else "NoneType"
+        assert kinds == ["LayerRun", middle, "LayerRun"]
+        split = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+        assert torch.equal(split, want)
+    assert config.num_layers == 3 and runs[2:] == [(1, len(prompts))] * 4
     assert not torch.equal(updated, got)
 
 
@@ -319,13 +328,71 @@ def test_the_one_call_decode_applies_exactly_where_the_weights_are_panels(
     assert panels == (
         prepack and can_pack_panels(torch.bfloat16) and not can_prepack(torch.bfloat16)
     )
-    segments = model.decode_calls.segments()
-    assert [run is not None for _, _, run in segments] == (
-        [True] if panels else [False] * config.num_layers
-    )
+    # Elsewhere every layer is glued around its products (``test_glued_layers_...``).
+    kinds = [type(run) for _, _, run in model.decode_calls.segments()]
+    assert kinds == [LayerRun if panels else fused_decode.GluedRun]
     prompts = _prompts(config.vocab_size, [5, 9, 2])
     got = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
     plain = load_model(config, model_dir, torch.bfloat16, "cpu")
     plain.use_kernels = False
     want = _prefill_then_decode(plain, [list(p) for p in prompts], torch.bfloat16)
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 6})],
+)
+@pytest.mark.parametrize("prepack", [False, True])
+def test_glued_layers_equal_the_layer_by_layer_path(
+    dtype: torch.dtype,
+    arch: str,
+    overrides: dict[str, object],
+    prepack: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Weights that are not panels (plain ones; oneDNN's layout on AVX-512): each layer of a
+    # decode step makes its 4 products through Gemm.linear and 4 glue calls, no forward.
+    model_dir = make_tiny_model_dir(
+        tmp_path / arch, arch, head_dim=32, num_hidden_layers=3, **overrides
+    )
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, dtype, "cpu")
+    model.gemm.prepack = prepack
+    if model.gemm.packed_form(dtype) in ("panels", "int8"):
+        pytest.skip(f"{dtype} weights pack into panels here ({_isa()}): they run in one call")
+    pack_weights(model)
+    [(start, stop, run)] = model.decode_calls.segments()
+    assert (start, stop) == (0, config.num_layers) and isinstance(run, fused_decode.GluedRun)
+    stages: list[int] = []
+    glue = fused_decode.calls.glue
+
+    def counted(call: object, step: object, stage: int, *args: torch.Tensor) -> None:
+        stages.append(stage)
+        glue(call, step, stage, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_decode.calls, "glue", counted)
+    forwards: list[int] = []
+    forward = DecoderLayer.forward
+
+    def counted_forward(self: DecoderLayer, *args: Any) -> Any:
+        forwards.append(1)
+        return forward(self, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counted_forward)
+    prompts = _prompts(config.vocab_size, [5, 9, 2, 1, 12])
+    got = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert len(forwards) == config.num_layers, "the prefill's forwards; the decode's glued"
+    assert stages == [0, 1, 2, 3] * config.num_layers, "one decode step, 4 stages a layer"
+    monkeypatch.setattr(fused_decode, "glued_call", lambda *args: None)
+    model.decode_calls.clear()
+    assert [run for _, _, run in model.decode_calls.segments()] == [None] * config.num_layers
+    want = _prefill_then_decode(model, [list(p) for p in prompts], dtype)
+    assert torch.equal(got, want), "same kernels in the same order: the same bits"
+    plain = load_model(config, model_dir, dtype, "cpu")
+    plain.use_kernels = False
+    torch_path = _prefill_then_decode(plain, [list(p) for p in prompts], dtype)
+    torch.testing.assert_close(got, torch_path, atol=0.05, rtol=0.05)
+    assert torch.equal(got.argmax(-1), torch_path.argmax(-1))

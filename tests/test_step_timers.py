@@ -64,7 +64,7 @@ def test_the_layer_path_times_its_products_and_its_attention(
     # one more inner call here); one attention a layer.
     assert len(products) == 2 * (2 * 4 + 2) and len(attention) == 2 * 2
     assert timers.products_s >= len(products) * DELAY
-    assert DELAY * len(attention) <= timers.attention_s < len(products) * DELAY
+    assert timers.attention_s >= len(attention) * DELAY
     assert timers.products_s + timers.attention_s < wall
     model.timers = None
     before = ForwardTimes(timers.products_s, timers.attention_s)

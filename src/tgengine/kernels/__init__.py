@@ -119,6 +119,9 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_decode_layers  # decode_layer.py's structures
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    fn = lib.tg_decode_glue
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR]
     return lib
 
 

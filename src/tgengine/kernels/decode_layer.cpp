@@ -192,3 +192,41 @@ extern "C" int tg_decode_layers(const DecodeLayer* const* layers, int64_t count,
   }
   return 0;
 }
+
+// The work of one layer between its products, for a layer whose products run outside this
+// library (weights in oneDNN's layout, or plain ones: torch makes those products), so that
+// a decode step of such layers makes four products and these four calls a layer instead of
+// the layer's Python forward. Same kernels and order as that forward, so the same bits.
+//   stage 0: out = norm(residual += in) with the input norm (residual null: norm(in) only)
+//   stage 1: in = qkv [rows, qkv]: rotate, store k and v, attend; out = attention [rows, q]
+//   stage 2: out = norm(residual += in) with the post-attention norm
+//   stage 3: in = gate_up [rows, 2 * inter]; out = act(gate) * up [rows, inter]
+// 0, or stage * 1000 + the failing kernel's code.
+extern "C" int tg_decode_glue(const DecodeLayer* L, const DecodeStep* S, int stage, void* in,
+                              void* residual, void* out) {
+  const int dtype = static_cast<int>(L->dtype), threads = static_cast<int>(S->threads);
+  const int64_t rows = S->rows;
+  if (L->rope < 0 || L->rope >= kKinds || L->plan < 0 || L->plan >= kKinds) return 1;
+  int status = 2;
+  switch (stage) {
+    case 0:
+    case 2:
+      status = tg_add_rms_norm(dtype, in, residual, stage == 0 ? L->input_norm : L->post_norm,
+                               rows, L->hidden, L->eps, L->unit_offset, out, threads);
+      break;
+    case 1: {
+      thread_local std::vector<char> q;  // the queries, contiguous (a layer's, reused)
+      const size_t elem = 2;             // bf16 / fp16
+      char* queries = at_least(q, rows * L->num_heads * L->head_dim * elem);
+      void* cache = static_cast<char*>(S->cache) + L->layer * S->layer_stride * elem;
+      status = attend(L, S, in, queries, cache, out);
+      break;
+    }
+    case 3:
+      status = tg_act_mul(dtype, static_cast<int>(L->act), in, rows, L->inter, out, threads);
+      break;
+    default:
+      return 3;
+  }
+  return status ? static_cast<int>(1000 * stage + status) : 0;
+}

@@ -86,15 +86,15 @@ class DecodeStep(ctypes.Structure):
 
 class DecodeLayerCall:
     """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form, or
-    ``kernels.quantize_panels``' int8 panels with their scales), norms and sizes, as
-    pointers; make a new one when they move (an update or a wakeup repacks them:
-    ``fused_decode.DecodeCalls``)."""
+    ``kernels.quantize_panels``' int8 panels with their scales; None for a layer whose
+    products run outside, ``glue``), norms and sizes, as pointers; make a new one when they
+    move (an update or a wakeup repacks them: ``fused_decode.DecodeCalls``)."""
 
     def __init__(
         self,
         *,
         dtype: torch.dtype,
-        weights: Sequence[torch.Tensor],  # qkv, o, gate_up, down panels
+        weights: Sequence[torch.Tensor | None],  # qkv, o, gate_up, down panels
         scales: Sequence[torch.Tensor | None],  # their row scales where they are int8
         qkv_bias: torch.Tensor | None,
         norms: Sequence[torch.Tensor],  # input, post-attention
@@ -113,9 +113,9 @@ class DecodeLayerCall:
     ) -> None:
         # The weights are not kept alive (``sleep`` must be able to free them); the bias may
         # be a converted copy, kept.
-        self._bias = qkv_bias
-        qkv, o, gate_up, down = weights
+        self.qkv_bias = qkv_bias
         qkv_s, o_s, gate_up_s, down_s = (None if s is None else s.data_ptr() for s in scales)
+        qkv, o, gate_up, down = (None if w is None else w.data_ptr() for w in weights)
         self.args = _DecodeLayer(
             dtype=kernels._DTYPES[dtype],
             act=ACTIVATIONS[act],
@@ -133,11 +133,11 @@ class DecodeLayerCall:
             scale=scale,
             input_norm=norms[0].data_ptr(),
             post_norm=norms[1].data_ptr(),
-            qkv_panels=qkv.data_ptr(),
+            qkv_panels=qkv,
             qkv_bias=None if qkv_bias is None else qkv_bias.data_ptr(),
-            o_panels=o.data_ptr(),
-            gate_up_panels=gate_up.data_ptr(),
-            down_panels=down.data_ptr(),
+            o_panels=o,
+            gate_up_panels=gate_up,
+            down_panels=down,
             qkv_scales=qkv_s,
             o_scales=o_s,
             gate_up_scales=gate_up_s,
@@ -187,3 +187,34 @@ def run_layers(
     if status != 0:
         raise RuntimeError(f"tg_decode_layers refused the step (status {status})")
     return out, (x if residual is None else residual)
+
+
+GLUE_INPUT_NORM, GLUE_ATTEND, GLUE_POST_NORM, GLUE_ACT_MUL = range(4)
+"""``glue``'s stages (``decode_layer.cpp``'s ``tg_decode_glue``)."""
+
+
+def glue(
+    call: DecodeLayerCall,
+    step: DecodeStep,
+    stage: int,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """One stage of a layer's work between its products, for a layer whose products run
+    outside (``fused_decode.run_glued``): the input norm (``out = norm(residual += x)``;
+    ``residual`` None: ``norm(x)``), rotary + KV store + attention of ``x`` = q/k/v, the
+    post-attention norm, or ``act(gate) * up``. Tensors contiguous, ``step`` filled by
+    ``fused_decode.decode_step`` for this forward."""
+    lib = kernels.load()
+    assert lib is not None
+    status = lib.tg_decode_glue(
+        ctypes.byref(call.args),
+        ctypes.byref(step),
+        stage,
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise RuntimeError(f"tg_decode_glue refused stage {stage} (status {status})")

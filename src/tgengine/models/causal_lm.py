@@ -20,7 +20,7 @@ from tgengine.kernels.decode_layer import run_layers
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan
 from tgengine.models.config import ModelConfig
 from tgengine.models.decoder_layer import DecoderLayer
-from tgengine.models.fused_decode import DecodeCalls, Segment, decode_step
+from tgengine.models.fused_decode import DecodeCalls, GluedRun, Segment, decode_step, run_glued
 from tgengine.models.gemm import Gemm, LinearWeights
 from tgengine.models.inputs import ForwardInputs
 from tgengine.models.kv_cache import KVCache
@@ -132,7 +132,11 @@ class CausalLM(nn.Module):
                 continue
             if decode_args is None:
                 decode_args, alive = decode_step(step, self._windows)
-            x, residual = run_layers(run, decode_args, x.contiguous(), residual, spent)
+            if isinstance(run, GluedRun):
+                decode_args.spent_ns = None if spent is None else ctypes.addressof(spent)
+                x, residual = run_glued(run, decode_args, x.contiguous(), residual, self.gemm)
+            else:
+                x, residual = run_layers(run, decode_args, x.contiguous(), residual, spent)
         del alive
         if timers is not None and spent is not None:
             timers.products_s += spent[0] * 1e-9

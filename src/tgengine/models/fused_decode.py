@@ -1,29 +1,54 @@
-"""Which decoder layers run a decode step as one compiled call, and that call's arguments.
+"""Which decoder layers run a decode step in compiled calls, and those calls' arguments.
 
 A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
-norm, a dense MLP with SiLU or GELU-tanh, its four products packed into panels (bf16/fp16 on
-AVX2, or int8), one rank. The step qualifies when every row is a decode row attended by the
-paged kernel (``CausalLM.forward`` decides, per step). Consecutive qualifying layers run in
-one call (``kernels.decode_layer.run_layers``); anything else takes the layer's forward.
+norm, a dense MLP with SiLU or GELU-tanh, bf16/fp16, one rank. The step qualifies when every
+row is a decode row attended by the paged kernel (``CausalLM.forward`` decides, per step).
+Where a layer's four products are packed into panels (bf16/fp16 on AVX2, or int8),
+consecutive such layers run in one call (``kernels.decode_layer.run_layers``). Where they are
+not (oneDNN's layout on AVX-512, or plain weights), the layer is *glued*: its products run
+through ``Gemm.linear`` and everything between them in four compiled calls
+(``kernels.decode_layer.glue``), instead of the layer's forward (its Python made a tenth of
+a batch-1 step). Both give the layer-by-layer path's bits. Any other layer takes its forward.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from tgengine.kernels import decode_layer as calls
 from tgengine.kernels.decode_layer import KINDS, DecodeLayerCall, DecodeStep, LayerRun
 from tgengine.kernels.elementwise import ACTIVATIONS
 from tgengine.models.attention import KernelDecodePlan
 from tgengine.models.decoder_layer import DecoderLayer
-from tgengine.models.gemm import Gemm, Panels
+from tgengine.models.gemm import Gemm, LinearWeights, Panels
 from tgengine.models.layers import MLP
 from tgengine.models.self_attention import StepContext
 
-Segment = tuple[int, int, LayerRun | None]
-"""Layers ``[start, stop)``: one call for all of them, or (None) one layer's own forward."""
+
+@dataclass(frozen=True)
+class GluedLayer:
+    """A qualifying layer whose products are not panels: its arguments for ``glue`` (no
+    panels) and its weights, which ``Gemm.linear`` multiplies by in whatever form they are."""
+
+    call: DecodeLayerCall
+    weights: tuple[LinearWeights, LinearWeights, LinearWeights, LinearWeights]  # qkv o gu down
+    qkv_bias: torch.Tensor | None
+    q_size: int
+    inter: int
+
+
+@dataclass(frozen=True)
+class GluedRun:
+    layers: tuple[GluedLayer, ...]
+
+
+Segment = tuple[int, int, LayerRun | GluedRun | None]
+"""Layers ``[start, stop)``: one call for all of them, glued layers, or (None) one layer's
+own forward."""
 
 
 class DecodeCalls:
@@ -56,11 +81,11 @@ class DecodeCalls:
     def segments(self) -> list[Segment]:
         key = self._where()
         if key != self._key:
-            calls = [
-                decode_call(layer, i, self._windows.index(layer.self_attn.window))
-                for i, layer in enumerate(self._layers)
-            ]
-            self._segments = _segments(calls)
+            found: list[DecodeLayerCall | GluedLayer | None] = []
+            for i, layer in enumerate(self._layers):
+                plan = self._windows.index(layer.self_attn.window)
+                found.append(decode_call(layer, i, plan) or glued_call(layer, i, plan))
+            self._segments = _segments(found)
             self._key = key
         return self._segments
 
@@ -76,14 +101,19 @@ class DecodeCalls:
         )
 
 
-def _segments(calls: Sequence[DecodeLayerCall | None]) -> list[Segment]:
+def _segments(found: Sequence[DecodeLayerCall | GluedLayer | None]) -> list[Segment]:
     segments: list[Segment] = []
     start = 0
-    for qualifies, group in itertools.groupby(calls, key=lambda call: call is not None):
+    for kind, group in itertools.groupby(found, key=type):
         run = list(group)
         stop = start + len(run)
-        if qualifies:
-            segments.append((start, stop, LayerRun([c for c in run if c is not None])))
+        if kind is DecodeLayerCall:
+            one_call = [c for c in run if isinstance(c, DecodeLayerCall)]
+            segments.append((start, stop, LayerRun(one_call)))
+        elif kind is GluedLayer:
+            segments.append(
+                (start, stop, GluedRun(tuple(c for c in run if isinstance(c, GluedLayer))))
+            )
         else:
             segments += [(i, i + 1, None) for i in range(start, stop)]
         start = stop
@@ -91,28 +121,60 @@ def _segments(calls: Sequence[DecodeLayerCall | None]) -> list[Segment]:
 
 
 def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall | None:
-    """The layer's call (None where it does not qualify). ``index``: the layer's place in the
-    KV cache; ``plan``: which of ``decode_step``'s block tables its window attends with."""
+    """The layer's one call (None where it does not qualify or its weights are not all
+    panels). ``index``: the layer's place in the KV cache; ``plan``: which of
+    ``decode_step``'s block tables its window attends with."""
     attn, ffn = layer.self_attn, layer.ffn
-    if layer.sandwich or layer.parallel.is_parallel or attn.q_norm is not None:
+    if not _qualifies(layer) or not isinstance(ffn, MLP):
         return None
-    if not isinstance(ffn, MLP) or ffn.act not in ACTIVATIONS:
-        return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     packed = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
     panels = [p for p in packed if isinstance(p, Panels)]
     if len(panels) != len(packed):
         return None
-    dtype = attn.qkv.dtype
-    if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+    return _call(layer, index, plan, panels)
+
+
+def glued_call(layer: DecoderLayer, index: int, plan: int) -> GluedLayer | None:
+    """The layer glued around its products (None where it does not qualify); for a layer
+    whose weights are not all panels (``decode_call`` takes those)."""
+    attn, ffn = layer.self_attn, layer.ffn
+    if not _qualifies(layer) or not isinstance(ffn, MLP):
         return None
+    call = _call(layer, index, plan, None)
+    weights = (attn.qkv, attn.o, ffn.gate_up, ffn.down)
+    q_size = attn.num_heads * attn.head_dim
+    inter = int(call.args.inter)
+    return GluedLayer(call, weights, call.qkv_bias, q_size, inter)
+
+
+def _qualifies(layer: DecoderLayer) -> bool:
+    attn, ffn = layer.self_attn, layer.ffn
+    if layer.sandwich or layer.parallel.is_parallel or attn.q_norm is not None:
+        return False
+    if not isinstance(ffn, MLP) or ffn.act not in ACTIVATIONS:
+        return False
+    dtype = attn.qkv.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or attn.qkv.device.type != "cpu":
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+
+
+def _call(
+    layer: DecoderLayer, index: int, plan: int, panels: Sequence[Panels] | None
+) -> DecodeLayerCall:
+    attn, ffn = layer.self_attn, layer.ffn
+    assert isinstance(ffn, MLP)
+    dtype = attn.qkv.dtype
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     bias = attn.qkv_bias()
     if bias is not None:
         bias = bias.to(dtype)
+    gate_up_rows = sum(int(p.shape[0]) for p in ffn.gate_up.params)
     return DecodeLayerCall(
         dtype=dtype,
-        weights=[p.data for p in panels],
-        scales=[p.scales for p in panels],
+        weights=[None] * 4 if panels is None else [p.data for p in panels],
+        scales=[None] * 4 if panels is None else [p.scales for p in panels],
         qkv_bias=bias,
         norms=[n.weight for n in norms],
         eps=norms[0].eps,
@@ -121,13 +183,46 @@ def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall |
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
-        inter=panels[2].rows // 2,  # gate and up rows
+        inter=gate_up_rows // 2,  # gate and up rows
         scale=attn.scale,
         window=attn.window,
         layer=index,
         rope=attn.rope_index,
         plan=plan,
     )
+
+
+def run_glued(
+    run: GluedRun,
+    step: DecodeStep,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    gemm: Gemm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mlp output, residual stream)`` after the glued layers of ``run``, as their forwards
+    one after the other would give (the same kernels in the same order: the same bits).
+
+    ``x`` and ``residual`` as ``kernels.decode_layer.run_layers`` takes them; ``step`` filled
+    by ``decode_step``, its ``spent_ns`` (if set) timing the attention.
+    """
+    rows = int(x.shape[0])
+    h = torch.empty_like(x)
+    for layer in run.layers:
+        call, (qkv_w, o_w, gate_up_w, down_w) = layer.call, layer.weights
+        calls.glue(call, step, calls.GLUE_INPUT_NORM, x, residual, h)
+        if residual is None:
+            residual = x  # the first layer's input is the stream the adds write
+        qkv = gemm.linear(h, qkv_w, layer.qkv_bias).contiguous()
+        attn = x.new_empty(rows, layer.q_size)
+        calls.glue(call, step, calls.GLUE_ATTEND, qkv, None, attn)
+        o = gemm.linear(attn, o_w).contiguous()
+        calls.glue(call, step, calls.GLUE_POST_NORM, o, residual, h)
+        gate_up = gemm.linear(h, gate_up_w).contiguous()
+        inner = x.new_empty(rows, layer.inter)
+        calls.glue(call, step, calls.GLUE_ACT_MUL, gate_up, None, inner)
+        x = gemm.linear(inner, down_w).contiguous()
+    assert residual is not None
+    return x, residual
 
 
 def decode_step(
