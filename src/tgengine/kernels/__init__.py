@@ -8,7 +8,9 @@ the latter on a weight packed once into 16-row panels (``pack_panels``, or ``qua
 int8 with a float32 scale per output row, weight-only quantization); ``elementwise``
 fuses each layer's element-wise work (``elementwise.cpp``); ``argmax_rows`` is greedy
 decoding's argmax (``argmax.cpp``); ``decode_layer`` runs a whole
-layer of a decode step in one call (``decode_layer.cpp``). The library is
+layer of a decode step in one call (``decode_layer.cpp``); ``pair_panels`` runs products on
+bf16 weights packed for AVX-512 BF16 (``pair_panels*.cpp``: that variant where the CPU has
+it, a portable twin of the same layout and blocking everywhere). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
 by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
@@ -42,9 +44,14 @@ _SOURCES = tuple(
         "elementwise.cpp",
         "decode_layer.cpp",
         "argmax.cpp",
+        "pair_panels.cpp",
+        "pair_panels_avx512.cpp",
     )
 )
-_HEADERS = (Path(__file__).with_name("simd.h"),)
+_HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "pair_panels.h"))
+# Sources built for an ISA beyond the machine's own (-march=native): their code runs only
+# where the CPU has it (each says how it is guarded), so one build serves every variant.
+_ISA_FLAGS = {"pair_panels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]}
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -119,6 +126,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.tg_decode_layers  # decode_layer.py's structures
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    for fn in (lib.tg_pair_panel_linear, lib.tg_pair_panel_linear_avx512):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
+    lib.tg_cpu_has_avx512_bf16.restype = ctypes.c_int
     fn = lib.tg_decode_glue
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR]
@@ -130,6 +141,7 @@ def _build(compiler: str) -> Path:
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
+    key.update(repr(sorted(_ISA_FLAGS.items())).encode())
     key.update(_cpu_flags().encode())
     library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
@@ -142,7 +154,15 @@ def _build(compiler: str) -> Path:
         objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
         compiles = [
             subprocess.Popen(
-                [compiler, *_FLAGS, "-c", "-o", str(obj), str(source)],
+                [
+                    compiler,
+                    *_FLAGS,
+                    *_ISA_FLAGS.get(source.name, []),
+                    "-c",
+                    "-o",
+                    str(obj),
+                    str(source),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )

@@ -1,0 +1,85 @@
+// Linear products on bf16 weights packed as *pair panels*, the layout AVX-512 BF16's
+// vdpbf16ps reads: 16 output rows side by side (one 512-bit register of float32 sums), each
+// row's weights in pairs of consecutive inputs, [ceil(n / 16)][ceil(k / 2)][16][2]
+// (kernels.pack_pair_panels). One blocking for every variant: 4 rows of x by 2 panels (32
+// outputs) a block, the sums in float32, each output rounded once. A variant is a Micro with
+//   template <int R, int NP> static void run(const uint16_t* x, int64_t k, const uint16_t* panels,
+//                                            int64_t panel_stride, float (*acc)[32]);
+// that adds, for R rows of x and NP panels, every pair (x[2j], x[2j + 1]) times the
+// panels' pair j into acc[r][16 * p + lane], the odd product first (as vdpbf16ps does).
+// pair_panels.cpp holds the portable one, pair_panels_avx512.cpp the AVX-512 BF16 one.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace tg_pairs {
+
+using tg::from_float;
+using tg::to_float;
+
+constexpr int64_t kPanel = 16;  // outputs per panel
+constexpr int kRows = 4;        // rows of x per block
+constexpr int kPanels = 2;      // panels per block
+
+inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * 2 * kPanel; }
+
+template <class Micro, int R>
+void block_rows(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride, int np,
+                float (*acc)[32]) {
+  if (np == 2)
+    Micro::template run<R, 2>(x, k, panels, stride, acc);
+  else
+    Micro::template run<R, 1>(x, k, panels, stride, acc);
+}
+
+// out[m, n] = x[m, k] @ W.T (+ bias), W packed as pair panels; out bf16 or float32.
+template <class Micro>
+int pair_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
+                const uint16_t* bias, void* out, int float_output, int threads) {
+  if (m < 0 || k < 1 || n < 1) return 2;
+  const int64_t stride = panel_stride(k), num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  const int64_t col_blocks = (num_panels + kPanels - 1) / kPanels;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    for (int64_t cb = 0; cb < col_blocks; ++cb) {
+      const int64_t r0 = rb * kRows, p0 = cb * kPanels;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+      const int np = static_cast<int>(std::min<int64_t>(kPanels, num_panels - p0));
+      alignas(64) float acc[kRows][32] = {};
+      const uint16_t* xs = x + r0 * k;
+      const uint16_t* ps = panels + p0 * stride;
+      switch (rows) {
+        case 1: block_rows<Micro, 1>(xs, k, ps, stride, np, acc); break;
+        case 2: block_rows<Micro, 2>(xs, k, ps, stride, np, acc); break;
+        case 3: block_rows<Micro, 3>(xs, k, ps, stride, np, acc); break;
+        default: block_rows<Micro, 4>(xs, k, ps, stride, np, acc); break;
+      }
+      const int64_t c0 = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, n - c0);
+      for (int r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = acc[r][c] + (bias ? to_float(bias[c0 + c]) : 0.0f);
+          const int64_t at = (r0 + r) * n + c0 + c;
+          if (float_output)
+            static_cast<float*>(out)[at] = v;
+          else
+            from_float(v, static_cast<uint16_t*>(out) + at);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// The pair (x[2j], x[2j + 1]) of a row as one 32-bit word; past an odd k the second is 0.
+inline uint32_t x_pair(const uint16_t* row, int64_t k, int64_t j) {
+  const uint32_t lo = row[2 * j];
+  const uint32_t hi = 2 * j + 1 < k ? row[2 * j + 1] : 0;
+  return lo | (hi << 16);
+}
+
+}  // namespace tg_pairs

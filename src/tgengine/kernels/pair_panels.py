@@ -1,0 +1,97 @@
+"""Linear products on bf16 weights packed as *pair panels*, for AVX-512 BF16 (``vdpbf16ps``).
+
+``pack_pair_panels`` lays a ``[n, k]`` weight out as ``[ceil(n / 16), ceil(k / 2), 16, 2]``:
+16 output rows side by side, each row's weights in pairs of consecutive inputs, which is
+what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h``).
+``pair_panel_linear`` computes ``F.linear`` on it in one of two variants that share that
+layout and blocking (4 rows of ``x`` by 32 outputs, float32 sums, one rounding):
+``avx512_bf16`` (``pair_panels_avx512.cpp``, built with ``-mavx512f -mavx512bf16`` on any
+machine, run only where the CPU has those flags) and ``portable`` (``pair_panels.cpp``,
+plain float math in the same order, everywhere). Not yet what ``Gemm`` packs: its speed
+against oneDNN's packed products is to be measured on an AVX-512 BF16 machine first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tgengine import kernels
+
+PANEL = 16
+VARIANTS = ("avx512_bf16", "portable")
+_KERNELS = {"avx512_bf16": "tg_pair_panel_linear_avx512", "portable": "tg_pair_panel_linear"}
+
+
+def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[n, k]`` weight as ``[ceil(n / 16), ceil(k / 2), 16, 2]`` (zero-padded)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError("pack_pair_panels: a 2-D bfloat16 weight")
+    n, k = weight.shape
+    rows, cols = -(-n // PANEL) * PANEL, k + k % 2
+    padded = weight.new_zeros(rows, cols)
+    padded[:n, :k] = weight
+    return padded.view(rows // PANEL, PANEL, cols // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_pair_panels(panels: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The ``[rows, cols]`` weight ``pack_pair_panels`` packed, exactly."""
+    num_panels, pairs, width, two = panels.shape
+    full = panels.transpose(1, 2).reshape(num_panels * width, pairs * two)
+    return full[:rows, :cols].contiguous()
+
+
+@functools.cache
+def pair_panel_variants() -> tuple[str, ...]:
+    """The variants that run here, fastest first (``portable`` wherever the library built)."""
+    lib = kernels.load()
+    if lib is None:
+        return ()
+    if lib.tg_cpu_has_avx512_bf16() == 1:
+        return VARIANTS
+    return ("portable",)
+
+
+def pair_panel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    rows: int,
+    bias: torch.Tensor | None = None,
+    *,
+    float_output: bool = False,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``panels = pack_pair_panels(weight)`` of ``rows``
+    output rows, for a 2-D bf16 ``x``; ``variant`` one of ``pair_panel_variants()`` (default:
+    the first). ``float_output``: the float32 sums plus bias, unrounded."""
+    have = pair_panel_variants()
+    variant = variant or (have[0] if have else "portable")
+    if variant not in have:
+        raise RuntimeError(f"pair_panel_linear: variant {variant!r} does not run here ({have})")
+    if x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or x.dim() != 2:
+        raise RuntimeError("pair_panel_linear: bf16 x [m, k] and bf16 pair panels")
+    m, k = x.shape
+    if panels.dim() != 4 or panels.shape[1] != -(-k // 2) or panels.shape[0] * PANEL < rows:
+        raise RuntimeError(f"pair_panel_linear: panels {tuple(panels.shape)} do not fit x {m}x{k}")
+    x = x.contiguous()
+    panels = panels.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(m, rows, dtype=torch.float32 if float_output else torch.bfloat16)
+    lib = kernels.load()
+    assert lib is not None
+    status = getattr(lib, _KERNELS[variant])(
+        x.data_ptr(),
+        m,
+        k,
+        panels.data_ptr(),
+        rows,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        int(float_output),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"{_KERNELS[variant]} refused the shapes (status {status})")
+    return out

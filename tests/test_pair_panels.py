@@ -1,0 +1,107 @@
+"""``kernels.pair_panels``: products on bf16 pair panels, every variant against torch.
+
+The ``avx512_bf16`` variant runs only on a CPU with AVX-512 BF16; elsewhere its tests skip,
+saying so, and the ``portable`` twin (the same layout and blocking) runs the same checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tgengine import kernels
+from tgengine.kernels.isa import isa
+from tgengine.kernels.pair_panels import (
+    VARIANTS,
+    pack_pair_panels,
+    pair_panel_linear,
+    pair_panel_variants,
+    unpack_pair_panels,
+)
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler for the kernels")
+
+
+def _variant(name: str) -> str:
+    if name not in pair_panel_variants():
+        pytest.skip(f"the {name} variant needs a CPU with AVX-512 BF16 (this one: {isa()})")
+    return name
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 21), (16, 2), (1, 1), (200, 576)])
+def test_packing_is_exact(n: int, k: int) -> None:
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    assert panels.shape == (-(-n // 16), -(-k // 2), 16, 2)
+    assert torch.equal(unpack_pair_panels(panels, n, k), weight)
+    assert panels[0, 0, 0, 0] == weight[0, 0] and (k < 2 or panels[0, 0, 0, 1] == weight[0, 1])
+
+
+def test_the_variants_follow_the_cpu_flags() -> None:
+    have = pair_panel_variants()
+    assert have[-1] == "portable" and set(have) <= set(VARIANTS)
+    assert ("avx512_bf16" in have) == (isa() in ("avx512_bf16", "amx"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 96, 64), (3, 37, 21), (4, 32, 576), (7, 1536, 576), (33, 50, 130)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_product_matches_torch(variant: str, m: int, n: int, k: int, with_bias: bool) -> None:
+    name = _variant(variant)
+    torch.manual_seed(m * n + k)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    panels = pack_pair_panels(weight)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    wide = pair_panel_linear(x, panels, n, bias, float_output=True, variant=name)
+    assert wide.dtype == torch.float32 and wide.shape == (m, n)
+    # Float32 sums of k products: off the exact value by a few float32 ulps of the sum.
+    scale = (x.double().abs() @ weight.double().abs().T) + 1
+    assert ((wide.double() - exact).abs() <= 1e-6 * scale * k**0.5).all()
+    got = pair_panel_linear(x, panels, n, bias, variant=name)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, wide.to(torch.bfloat16)), "rounded once, to nearest even"
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_do_not_change_the_bits(threads: int) -> None:
+    torch.manual_seed(threads)
+    weight = torch.randn(300, 96).to(torch.bfloat16)
+    x = torch.randn(23, 96).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pair_panel_linear(x, panels, 300, variant="portable")
+        torch.set_num_threads(threads)
+        assert torch.equal(pair_panel_linear(x, panels, 300, variant="portable"), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_avx512_bf16_agrees_with_its_portable_twin() -> None:
+    name = _variant("avx512_bf16")
+    torch.manual_seed(0)
+    weight = torch.randn(1536, 576).to(torch.bfloat16)
+    x = torch.randn(32, 576).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    fast = pair_panel_linear(x, panels, 1536, float_output=True, variant=name)
+    twin = pair_panel_linear(x, panels, 1536, float_output=True, variant="portable")
+    # The same sums in the same order; vdpbf16ps flushes denormals, which these have none of.
+    torch.testing.assert_close(fast, twin, atol=1e-5, rtol=1e-6)
+
+
+def test_a_variant_that_does_not_run_here_is_refused() -> None:
+    if "avx512_bf16" in pair_panel_variants():
+        pytest.skip("this CPU runs every variant")
+    panels = pack_pair_panels(torch.zeros(16, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not run here"):
+        pair_panel_linear(
+            torch.zeros(1, 4, dtype=torch.bfloat16), panels, 16, variant="avx512_bf16"
+        )
