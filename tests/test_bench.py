@@ -249,7 +249,13 @@ def test_step_splits_each_kind_of_step_into_parts_that_sum_to_it(
 ) -> None:
     result = run_bench("step", tiny_llama_dir, tmp_path, capsys=capsys)
     workload = result["workload"]
-    assert workload == {"num_seqs": 4, "prompt_len": "8-24", "max_tokens": 6, "seed": 0}
+    assert workload == {
+        "num_seqs": 4,
+        "prompt_len": "8-24",
+        "max_tokens": 6,
+        "seed": 0,
+        "prepack_weights": True,
+    }
     rows = {row["kind"]: row for row in result["rows"]}
     assert list(rows) == ["decode", "prefill"]
     # The 4 prompts fit one step; then 5 decode steps of all 4, the last one (no forward

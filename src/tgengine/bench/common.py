@@ -39,6 +39,7 @@ class BenchSetup:
     executor: str | None = None  # EngineConfig.executor: None picks by the size
     ray_address: str | None = None
     quantization: str | None = None  # EngineConfig.quantization (tgengine's runs)
+    prepack_weights: bool = True  # EngineConfig.prepack_weights (tgengine's runs)
 
     @staticmethod
     def resolve(
@@ -142,6 +143,7 @@ class BenchSetup:
             "tensor_parallel_size": self.tensor_parallel_size,
             "executor": self.executor_kind,
             "quantization": self.quantization,
+            "prepack_weights": self.prepack_weights,
         }
 
 

@@ -34,6 +34,7 @@ def engine_config(setup: BenchSetup, dtype: str | None = None) -> EngineConfig:
         executor=setup.executor,  # type: ignore[arg-type]
         ray_address=setup.ray_address,
         quantization=setup.quantization,  # type: ignore[arg-type]
+        prepack_weights=setup.prepack_weights,
     )
 
 

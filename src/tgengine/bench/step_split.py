@@ -117,6 +117,7 @@ def run_step_split(
             "prompt_len": f"{prompt_len[0]}-{prompt_len[1]}",
             "max_tokens": max_tokens,
             "seed": seed,
+            "prepack_weights": setup.prepack_weights,
         },
         "floor_rates": {
             "matmul_flops_before_after": list(around),

@@ -282,6 +282,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--prompt-lens", type=_ints, help="prompt lengths lo,hi (default: 300,430; quick: 8,24)"
     )
     p.add_argument("--max-tokens", type=int, help="tokens each (default: 32; quick: 6)")
+    p.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="tgengine's weights plain (EngineConfig.prepack_weights=False): the products "
+        "through torch, as oneDNN-packed ones run on AVX-512",
+    )
     p.set_defaults(handler=run, runner=_step)
 
     p = benches.add_parser("memory", help="host memory of a synthetic 1B Llama: load, steady")
@@ -378,8 +384,12 @@ def _structured(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _step(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from dataclasses import replace
+
     from ..bench.step_split import run_step_split
 
+    if args.no_prepack:
+        setup = replace(setup, prepack_weights=False)
     lens = _pick(args.prompt_lens, (300, 430), (8, 24), args)
     return run_step_split(
         setup,
