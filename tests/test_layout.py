@@ -63,11 +63,7 @@ TOP_LEVEL = {
 }
 
 # ALLOW-LIST, removed by the lead at integration (issue 31). Each is an exact finding.
-# models/ is the performance helper's: its branch removes these cycles.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"models.architectures", "models.config", "models.config_cache"}),
-    frozenset({"models.fused_decode", "models.llama"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 KNOWN_LONG: set[str] = set()
 

@@ -60,7 +60,6 @@ from tgengine import (
     kernels,
 )
 from tgengine.agent.agent import CPU_KV_CACHE_BYTES
-from tgengine import kernels
 from tgengine.models.gemm import can_pack_panels
 
 from engine_helpers import engine_threads, hf_greedy, hf_greedy_with_margin, tiny_config

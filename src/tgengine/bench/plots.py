@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from . import step_split
-from .report import best_peer_ratios, isa_suffix
+from .tables import best_peer_ratios, isa_suffix
 
 _MIB = 1024**2
 

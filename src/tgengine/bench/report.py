@@ -8,7 +8,8 @@ from typing import Any
 
 from . import step_split
 from .control_plane import render as control_plane_lines
-from .tables import table
+from .plots import plot
+from .tables import isa_suffix, table
 
 _GB = 1e9
 _MIB = 1024**2
@@ -42,18 +43,6 @@ def peer_lines(result: dict[str, Any]) -> list[str]:
                 f"started in {info.get('startup_s', 0.0):.1f} s (not timed)"
             )
     return lines
-
-
-def best_peer_ratios(result: dict[str, Any]) -> list[str]:
-    """The ratio lines that compare tgengine with each peer at its best thread count."""
-    return [f"{k}: {v:.2f}" for k, v in result.get("ratios", {}).items() if "(best)" in k]
-
-
-def isa_suffix(result: dict[str, Any]) -> str:
-    """`` (avx2)``: the CPU's ISA (``kernels.isa``) that every figure of a result was
-    measured on, for its titles; empty for a result without a machine."""
-    isa = result.get("machine", {}).get("isa")
-    return f" ({isa})" if isa else ""
 
 
 def render(result: dict[str, Any]) -> str:
@@ -352,8 +341,6 @@ def save(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths[0].write_text(json.dumps(result, indent=2, default=str) + "\n")
     paths[1].write_text(render(result) + "\n")
     png = out / f"{kind}.png"
-    from .plots import plot  # matplotlib is optional, and slow to import
-
     if plot(result, png):
         paths.append(png)
     return paths

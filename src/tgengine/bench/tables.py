@@ -1,4 +1,4 @@
-"""Fixed-width text tables of bench rows."""
+"""Fixed-width text tables of bench rows, and the lines every report and chart shares."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def best_peer_ratios(result: dict[str, Any]) -> list[str]:
+    """The ratio lines that compare tgengine with each peer at its best thread count."""
+    return [f"{k}: {v:.2f}" for k, v in result.get("ratios", {}).items() if "(best)" in k]
+
+
+def isa_suffix(result: dict[str, Any]) -> str:
+    """`` (avx2)``: the CPU's ISA (``kernels.isa``) that every figure of a result was
+    measured on, for its titles; empty for a result without a machine."""
+    isa = result.get("machine", {}).get("isa")
+    return f" ({isa})" if isa else ""

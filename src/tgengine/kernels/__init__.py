@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from tgengine.kernels.isa import cpu_flags
+
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(
@@ -142,7 +144,7 @@ def _build(compiler: str) -> Path:
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
     key.update(repr(sorted(_ISA_FLAGS.items())).encode())
-    key.update(_cpu_flags().encode())
+    key.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
         return library
@@ -186,16 +188,6 @@ def _build(compiler: str) -> Path:
         )
         os.replace(built, library)  # atomic: a concurrent build never leaves half a file
     return library
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 _HEAD_DIMS = (32, 64, 80, 96, 128, 256)
