@@ -396,3 +396,28 @@ def test_glued_layers_equal_the_layer_by_layer_path(
     torch_path = _prefill_then_decode(plain, [list(p) for p in prompts], dtype)
     torch.testing.assert_close(got, torch_path, atol=0.05, rtol=0.05)
     assert torch.equal(got.argmax(-1), torch_path.argmax(-1))
+
+
+@pytest.mark.parametrize("prepack", [False, True])
+def test_the_decode_calls_follow_an_update_of_the_qkv_biases(
+    prepack: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The calls hold the q/k/v biases as one fused copy; an update writes the parameters in
+    # place (same address), so copy_weights must make the calls again.
+    model_dir = make_tiny_model_dir(tmp_path / "qwen2", "qwen2", head_dim=32)
+    config = load_model_config(model_dir)
+    model = load_model(config, model_dir, torch.bfloat16, "cpu")
+    model.gemm.prepack = prepack
+    pack_weights(model)
+    assert all(run is not None for _, _, run in model.decode_calls.segments())
+    prompts = _prompts(config.vocab_size, [5, 9, 2])
+    _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"]
+    params = dict(model.named_parameters())
+    copy_weights(model, [(n, torch.randn(params[n].shape).to(torch.bfloat16)) for n in names])
+    got = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    monkeypatch.setattr(fused_decode, "decode_call", lambda *args: None)
+    monkeypatch.setattr(fused_decode, "glued_call", lambda *args: None)
+    model.decode_calls.clear()
+    want = _prefill_then_decode(model, [list(p) for p in prompts], torch.bfloat16)
+    assert torch.equal(got, want), "the calls read the new biases"
