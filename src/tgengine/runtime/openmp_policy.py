@@ -8,7 +8,7 @@ competes for the cores (a trainer beside the engine, a build, tests at nice 15),
 default spin of 300,000 rounds makes nearly every barrier wait a scheduler slice: measured
 there, 0.7-3 tokens/s instead of ~50. A spin of 10,000 rounds keeps the quiet speed (70 / 84
 tokens/s bf16 / int8 weights, against 70-73 / 83-98 with the default) and the competed one
-(35-47 tokens/s). Figures: docs/benchmarks.md, fifth round.
+(35-47 tokens/s). Figures: docs/notes/benchmarks-history.md, fifth round.
 
 OpenMP reads the variable once, when torch loads its runtime, so this only works if tgengine
 is imported first; ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already set are left alone.
