@@ -31,6 +31,7 @@ from tgengine.examples.rl import (
     make_prompts,
     number_reward,
 )
+from tgengine.kernels.isa import isa
 from tgengine.process.supervisor import EngineSupervisor, RestartPolicy
 
 from engine_helpers import TIMEOUT, tiny_config
@@ -186,6 +187,8 @@ def test_bench_rl_quick(tiny_llama_dir: Path, tmp_path: Path) -> None:
     }
     assert summary["open_fds_max"] > 0 and summary["logprob_abs_diff_max"] < LOGPROB_TOL
     assert "phase" in (tmp_path / "rl.txt").read_text()
+    assert result["machine"]["isa"] == isa()  # every bench figure names its ISA
+    assert f"== bench rl ({isa()}) ==" in (tmp_path / "rl.txt").read_text()
 
 
 def test_a_second_epoch_measures_the_kl_of_the_first(tiny_llama_dir: Path) -> None:

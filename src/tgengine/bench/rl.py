@@ -26,7 +26,9 @@ import anyio
 
 from ..config import EngineConfig
 from ..engine.client import EngineClient
+from ..kernels.isa import isa
 from ..sampling import SamplingParams
+from .tables import isa_suffix
 
 _MIB = 1024 * 1024
 
@@ -177,6 +179,7 @@ async def _bench(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         tg.cancel_scope.cancel()  # the in-process engine's holder sleeps until cancelled
     result: dict[str, Any] = {
         "bench": "rl",
+        "machine": {"isa": isa()},  # what every bench figure names (kernels.isa)
         "workload": {
             "cycles": args.cycles,
             "backend": args.backend,
@@ -283,7 +286,7 @@ def render(result: dict[str, Any]) -> str:
     s = result["summary"]
     w = result["workload"]
     lines = [
-        "== bench rl ==",
+        f"== bench rl{isa_suffix(result)} ==",
         "workload: " + ", ".join(f"{k}={v}" for k, v in w.items()),
         f"cycles: {s['cycles_done']} of {s.get('cycles_asked')}, hangs: {s['hangs']}, "
         f"engine restarts: {s.get('restarts', 0)}",
@@ -353,7 +356,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes[1][1].set_ylabel("mean reward")
     for ax in axes[1]:
         ax.set_xlabel("cycle (trainer step)")
-    fig.suptitle("tgengine bench rl")
+    fig.suptitle(f"tgengine bench rl{isa_suffix(result)}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
