@@ -181,6 +181,20 @@ class Scheduler:
             self.finish(seq)
         return seqs
 
+    def preempt_all(self) -> list[Sequence]:
+        """Preempt every running sequence for recompute, newest first; return them.
+
+        Their blocks are freed (their full blocks stay cached as prefixes until reused or
+        forgotten) and they go back to the front of ``waiting`` in admission order, ahead of
+        the sequences that were waiting: they keep their tokens and are recomputed first.
+        """
+        preempted: list[Sequence] = []
+        while self.running:
+            seq = self.running.pop()
+            self._preempt(seq)
+            preempted.append(seq)
+        return preempted
+
     def reset_cache(self, num_blocks: int | None = None) -> None:
         """Forget all blocks and cached prefixes (the KV cache was reallocated).
 

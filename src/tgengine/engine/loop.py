@@ -141,7 +141,7 @@ class EngineLoop:
     def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         """End ``request`` now with a final chunk, and free its blocks. Idempotent."""
         if self.tracker is not None:
-            self.tracker.finish(request, reason, error=error, weight_version=self.weight_version)
+            self.tracker.finish(request, reason, error=error)
 
     def finish_all(self, reason: FinishReason, error: str | None = None) -> None:
         """End every admitted request, held ones included."""
@@ -239,6 +239,13 @@ class EngineLoop:
             await self._progress.wait()
             self._progress = anyio.Event()
 
+    def preempt_all(self) -> int:
+        """Preempt every running sequence for recompute (between two steps: hold
+        ``_step_lock``); they are recomputed once the loop steps again. Returns how many."""
+        preempted = self._scheduler.preempt_all()
+        self.num_preemptions += len(preempted)
+        return len(preempted)
+
     async def _step(self) -> bool:
         """Run one step; False when nothing could be scheduled."""
         scheduler, tracker = self._scheduler, self._tracker
@@ -309,7 +316,7 @@ class EngineLoop:
         for seq_id, error in filled.errors.items():
             request = tracker.get(seq_id)
             if request is not None:
-                tracker.finish(request, "error", error=error, weight_version=self.weight_version)
+                tracker.finish(request, "error", error=error)
 
 
 def _step_stats(batch: ScheduledBatch, result: StepResult, tracker: RequestTracker) -> StepStats:

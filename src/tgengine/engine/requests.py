@@ -46,6 +46,9 @@ class Request:
     group_id: str = ""
     index: int = 0
     prompt_logprobs: list[TokenInfo | None] | None = None
+    # the weights its latest token came from (before any: the engine's at admission); its
+    # terminal chunk carries it, so a version rises only with a token of the new weights
+    weight_version: int = 0
 
     @property
     def request_id(self) -> str:
@@ -81,6 +84,7 @@ def new_requests(
     params: SamplingParams,
     tokenizer: Any,
     send: MemoryObjectSendStream[RequestOutput],
+    weight_version: int = 0,
 ) -> list[Request]:
     """The ``params.n`` sequences of one request, each with its own clone of ``send``.
 
@@ -111,6 +115,7 @@ def new_requests(
                 group_id=request_id if n > 1 else "",
                 index=i,
                 prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids),
+                weight_version=weight_version,
             )
         )
     send.close()
@@ -188,7 +193,7 @@ class RequestTracker:
                 continue  # aborted while the step ran
             error = result.errors.get(seq.seq_id)
             if error is not None:
-                self.finish(request, "error", error=error, weight_version=weight_version)
+                self.finish(request, "error", error=error)
                 continue
             prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
             if prompt_logprobs is not None:
@@ -203,6 +208,7 @@ class RequestTracker:
     ) -> None:
         seq = request.seq
         self.counters.generation_tokens += 1
+        request.weight_version = version
         prompt_logprobs = request.prompt_logprobs if request.first_token_time is None else None
         if request.first_token_time is None:
             request.first_token_time = now
@@ -226,7 +232,7 @@ class RequestTracker:
         )
         if reason is None:
             if not self._send(request, chunk):
-                self.finish(request, "abort", weight_version=version)
+                self.finish(request, "abort")
         else:
             self._close(request, chunk)
 
@@ -250,9 +256,11 @@ class RequestTracker:
         reason: FinishReason,
         *,
         error: str | None = None,
-        weight_version: int = 0,
     ) -> None:
-        """End ``request`` with a final chunk carrying no new tokens. Idempotent."""
+        """End ``request`` with a final chunk carrying no new tokens. Idempotent.
+
+        The chunk carries the request's ``weight_version`` (that of its latest token).
+        """
         if request.finished:
             return
         text = request.detokenizer.flush() if reason != "error" else ""
@@ -261,7 +269,7 @@ class RequestTracker:
             text=text,
             finish_reason=reason,
             error=error,
-            weight_version=weight_version,
+            weight_version=request.weight_version,
             num_prompt_tokens=request.seq.num_prompt_tokens,
             index=request.index,
         )
