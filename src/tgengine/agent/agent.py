@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -20,7 +20,7 @@ import torch
 from .. import kernels
 from ..config import EngineConfig
 from ..core.step import SeqStep, StepBatch, StepResult
-from ..errors import CacheNotReadyError, InvalidRequestError, ModelLoadError
+from ..errors import CacheNotReadyError, ModelLoadError
 from ..models import (
     CausalLM,
     KVCache,
@@ -40,6 +40,8 @@ from ..sample.sampler import Sampler
 from ..sample.step_sampler import sample_step
 from .cpu_threads import available_cores, default_thread_count
 from .inputs import prepare_inputs
+from .staged_weights import apply_staged, merge_staged, rebuild_from_staged
+from .weight_checks import check_named
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +60,8 @@ class AgentInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    # {checkpoint name: (full shape, dtype)}: what a weight update may push
+    weight_specs: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class ModelAgent:
         self._kv: KVCache | None = None
         self._host_weights: dict[str, torch.Tensor] | None = None
         self._weights_resident = False
+        self._staged: dict[str, torch.Tensor] = {}  # committed while asleep (staged_weights)
         self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}  # full (checkpoint) shapes
         self._local_shapes: dict[str, torch.Size] = {}  # this rank's shards
         self._info: AgentInfo | None = None
@@ -165,6 +170,12 @@ class ModelAgent:
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Check ``named`` (full tensors), then copy them in (this rank's shard of each)."""
         await self._in_thread(self._update_weights, named)
+
+    async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep checked tensors for the next ``wakeup("weights")`` (weights asleep only)."""
+        if self._weights_resident:
+            raise RuntimeError("stage_weights while the weights are resident")
+        merge_staged(self._staged, named)
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         device = self._info.device if self._info else "cpu"
@@ -243,6 +254,7 @@ class ModelAgent:
             num_blocks=num_blocks,
             block_size=cfg.block_size,
             max_model_len=min(max_len, num_blocks * cfg.block_size),
+            weight_specs=dict(self._specs),
         )
         return self._info
 
@@ -372,15 +384,21 @@ class ModelAgent:
             return False
         device = torch.device(self._info.device)
         reloaded = self._host_weights is None
-        for name, p in self._model.named_parameters():
-            if self._host_weights is not None:
-                p.data = self._host_weights[name].to(device)
-            else:
-                shape = self._local_shapes[name]
-                p.data = torch.empty(shape, dtype=p.dtype, device=device)
-        if reloaded:
+        if reloaded and self._staged:  # level 2, and an update committed since
+            reloaded = rebuild_from_staged(
+                self._model, self._staged, self._local_shapes, device, self.config.model
+            )
+            pack_weights(self._model)
+        elif reloaded:
+            for name, p in self._model.named_parameters():
+                p.data = torch.empty(self._local_shapes[name], dtype=p.dtype, device=device)
             load_weights(self._model, iter_stored(self.config.model), strict=True)
             pack_weights(self._model)
+        else:
+            assert self._host_weights is not None
+            for name, p in self._model.named_parameters():
+                p.data = self._host_weights[name].to(device)
+            apply_staged(self._model, self._staged)
         self._host_weights = None
         self._weights_resident = True
         return reloaded
@@ -401,27 +419,14 @@ class ModelAgent:
         """``named`` without what is skipped, once every tensor passed the checks."""
         if self._model is None or not self._weights_resident:
             raise RuntimeError("update_weights while the weights are not resident")
-        tied = self._model.lm_head is None
-        named = [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
-        for name, tensor in named:
-            if name not in self._specs:
-                raise InvalidRequestError("weights", f"unknown tensor name {name!r}")
-            shape, dtype = self._specs[name]
-            if tuple(tensor.shape) != tuple(shape):
-                raise InvalidRequestError(
-                    "weights", f"{name}: shape {tuple(tensor.shape)} != expected {tuple(shape)}"
-                )
-            if tensor.dtype != dtype and not (
-                tensor.is_floating_point() and dtype.is_floating_point
-            ):
-                raise InvalidRequestError("weights", f"{name}: dtype {tensor.dtype} != {dtype}")
-        return named
+        return check_named(self._specs, named)
 
     def _release_all(self) -> None:
         self._kv = None
         self._model = None
         self._host_weights = None
         self._weights_resident = False
+        self._staged.clear()
         self._generators.clear()
         _free_device_memory()
 

@@ -3,7 +3,7 @@ calls), and what an executor builds each rank's agent with (``AgentFactory``).""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import anyio.abc
 import torch
@@ -48,3 +48,11 @@ class AgentFactory(Protocol):
         parallel: ParallelContext | None = None,
         model_config: ModelConfig | None = None,
     ) -> ModelAgent: ...
+
+
+@runtime_checkable
+class StagesWeights(Protocol):
+    """An executor that can take a weight update while its weights sleep (``UniExecutor``):
+    the tensors wait for the next ``wakeup("weights")``, which builds the weights from them."""
+
+    async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...

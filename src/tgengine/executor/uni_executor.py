@@ -41,5 +41,8 @@ class UniExecutor:
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         await self.agent.update_weights(named)
 
+    async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        await self.agent.stage_weights(named)
+
     def memory_stats(self) -> dict[str, MemoryStats]:
         return self.agent.memory_stats()
