@@ -23,7 +23,7 @@ from ..errors import (
     InvalidRequestError,
 )
 from ..executor import Executor, make_executor
-from ..models import iter_safetensors
+from ..executor.base import StagesWeights
 from ..outputs import FinishReason, RequestOutput
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
@@ -36,6 +36,7 @@ from .loop import EngineLoop
 from .request_stats import EngineObserver
 from .requests import new_requests
 from .stream import RequestStream
+from .weight_update import KeptKV, Named, UpdateSlot, WeightUpdate
 
 PauseMode = Literal["abort", "drain", "keep"]
 S = EngineState
@@ -61,6 +62,7 @@ class Engine:
         self._resume_state = S.RUNNING
         self._pause_mode: PauseMode | None = None
         self._draining = False
+        self._updates = UpdateSlot()
         self._tokenizer: Any = None
         self._grammars: Grammars | None = None  # once the tokenizer and the model are known
         self._control_lock = anyio.Lock()
@@ -181,7 +183,8 @@ class Engine:
         assert self._grammars is not None
         grammar = self._grammars.matcher(params.structured_outputs)
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
-        requests = new_requests(request_id, token_ids, params, self._tokenizer, send)
+        version, tokenizer = self._loop.weight_version, self._tokenizer
+        requests = new_requests(request_id, token_ids, params, tokenizer, send, version)
         if any(self._loop.is_in_use(r.request_id) for r in requests):
             receive.close()
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -269,17 +272,18 @@ class Engine:
             self._pause_mode = None
             self._loop.release_held()
 
-    async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Pause (``mode``), then release memory; returns once it is really released.
 
         Level 1 drops the KV cache and offloads the weights to host memory; level 2 drops
-        both. Asleep already: releases what a partial wakeup made resident again, and
-        level 2 also drops weights that level 1 had offloaded; otherwise a no-op.
+        both. ``mode="keep"``: admitted requests stay; their KV goes (preempted), recomputed
+        from prompt + tokens so far once every tag is resident. Asleep already: releases what
+        a partial wakeup made resident again, level 2 also weights level 1 had offloaded.
         """
         if level not in (1, 2):
             raise InvalidRequestError("level", f"must be 1 or 2, got {level!r}")
-        if mode not in ("abort", "drain"):
-            raise InvalidRequestError("mode", f"must be 'abort' or 'drain', got {mode!r}")
+        if mode not in ("abort", "drain", "keep"):
+            raise InvalidRequestError("mode", f"must be 'abort', 'drain' or 'keep', got {mode!r}")
         async with self._control_lock:
             if self._state is not S.SLEEPING:
                 self._require("sleep", S.RUNNING, S.PAUSED)
@@ -311,22 +315,47 @@ class Engine:
                     self._pause_mode = None
                     self._loop.release_held()
 
-    async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(
+        self,
+        source: str | Path | Iterable[tuple[str, torch.Tensor]],
+        *,
+        kept_kv: KeptKV = "recompute",
+    ) -> None:
         """Replace weights between two steps, atomically; ``weight_version`` increments.
 
-        ``source`` is a directory of safetensors or an iterable of ``(name, tensor)``.
-        Unknown names, wrong shapes or dtypes raise ``InvalidRequestError`` and nothing
-        is applied. Cached prefixes computed with the old weights are dropped.
+        ``source``, a directory of safetensors or an iterable of ``(name, tensor)``, is a
+        one-part ``weight_update()``: a bad tensor applies nothing. Requests holding KV then
+        continue with the new weights: ``kept_kv="recompute"`` recomputes their KV (a greedy
+        one continues as a fresh request would from its prompt and tokens so far); ``"reuse"``
+        keeps the old KV (``InvalidRequestError`` once sleep released it).
         """
+        async with self.weight_update(kept_kv=kept_kv) as update:
+            await update.push_source(source, own="weights" not in self._sleeping_tags)
+
+    def weight_update(self, *, kept_kv: KeptKV = "recompute") -> WeightUpdate:
+        """An update pushed in parts (``WeightUpdate``); ``kept_kv`` as in update_weights."""
+        if (info := self._info) is None:
+            raise IllegalStateError("update weights", str(self._state))
+        # an executor in another process takes the tensors from the host
+        device = torch.device(info.device if isinstance(self._executor, StagesWeights) else "cpu")
+        return WeightUpdate(
+            info.weight_specs, device, kept_kv, self._updates, self._check_update, self._commit
+        )
+
+    def _check_update(self, kept_kv: KeptKV) -> str:
+        self._require("update weights", S.RUNNING, S.PAUSED, S.SLEEPING)
+        if "weights" in self._sleeping_tags and not isinstance(self._executor, StagesWeights):
+            raise EngineSleepingError(self._sleeping_tags)
+        if kept_kv == "reuse" and self._state is S.SLEEPING:
+            reason = "sleep released the KV cache the old weights computed; use 'recompute'"
+            raise InvalidRequestError("kept_kv", reason)
+        return str(self._state)
+
+    async def _commit(self, named: Named, kept_kv: KeptKV) -> None:
         async with self._control_lock:
-            self._require("update weights", S.RUNNING, S.PAUSED, S.SLEEPING)
-            if "weights" in self._sleeping_tags:
-                raise EngineSleepingError(self._sleeping_tags)
-            if isinstance(source, (str, Path)):
-                named = await anyio.to_thread.run_sync(_read_dir, str(source))
-            else:
-                named = list(source)
-            await self._loop.update_weights(named)
+            self._check_update(kept_kv)
+            stage = "weights" in self._sleeping_tags  # _check_update: the executor stages
+            await self._loop.apply_weights(named, stage=stage, recompute=kept_kv == "recompute")
 
     def _require(self, action: str, *allowed: EngineState) -> None:
         if self._state not in allowed:
@@ -404,6 +433,3 @@ class _LoopOwner:
     def loop_failed(self, cause: BaseException) -> None:
         self._engine._die(cause)
 
-
-def _read_dir(path: str) -> list[tuple[str, torch.Tensor]]:
-    return list(iter_safetensors(path))

@@ -22,6 +22,7 @@ from ..core.sequence import Sequence
 from ..core.step import SeqStep, StepBatch, StepResult
 from ..errors import StepTimeoutError
 from ..executor import Executor
+from ..executor.base import StagesWeights
 from ..outputs import FinishReason
 from ..stats import Counters, EngineStats
 from ..structured_outputs import bitmasks
@@ -162,8 +163,12 @@ class EngineLoop:
             yield
 
     async def sleep(self, level: int) -> None:
-        """Release the KV cache (and with level 2 the weights); every block is free after."""
+        """Release the KV cache (and with level 2 the weights); every block is free after.
+
+        Running sequences (kept ones: ``sleep(mode="keep")``) are preempted first: they
+        are recomputed once the loop steps again."""
         async with self._step_lock:
+            self.preempt_all()
             await self.executor.sleep(level)
             self._scheduler.reset_cache(self._scheduler.block_manager.num_blocks)
 
@@ -173,12 +178,23 @@ class EngineLoop:
             if await self.executor.wakeup(tag):
                 self.weight_version += 1
 
-    async def update_weights(self, named: list[Any]) -> None:
-        """Apply ``named`` weights between two steps; cached prefixes of the old ones go."""
+    async def apply_weights(self, named: list[Any], *, stage: bool, recompute: bool) -> None:
+        """Apply ``named`` weights between two steps, whole (shielded once begun): cached
+        prefixes of the old ones go; ``recompute``: every running sequence is preempted, to
+        be recomputed with them. ``stage``: the weights sleep; the executor keeps the
+        tensors for their wakeup (``StagesWeights``)."""
         async with self._step_lock:
-            await self.executor.update_weights(named)
-            self.weight_version += 1
-            self._scheduler.block_manager.forget_prefixes()
+            with anyio.CancelScope(shield=True):
+                if stage:
+                    assert isinstance(self.executor, StagesWeights)
+                    await self.executor.stage_weights(named)
+                else:
+                    await self.executor.update_weights(named)
+                self.weight_version += 1
+                if recompute:
+                    self.preempt_all()
+                self._scheduler.block_manager.forget_prefixes()
+                self.notify()
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         return self.executor.memory_stats()

@@ -1,0 +1,165 @@
+"""``WeightUpdate``: a weight update pushed in parts, applied all at once when it commits.
+
+``Engine.weight_update()`` returns one; ``async with`` opens it, ``push`` checks and stages
+each part as it arrives, and a clean exit from the block commits every staged tensor at once,
+between two steps. An exception or a cancellation inside the block drops what was staged.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+import anyio
+import torch
+
+from ..agent.weight_checks import WeightSpecs, check_finite, check_named
+from ..errors import IllegalStateError, InvalidRequestError
+from ..models import iter_safetensors
+
+KeptKV = Literal["recompute", "reuse"]
+Named = list[tuple[str, torch.Tensor]]
+
+
+class UpdateSlot:
+    """Where an engine's one open update sits: a second one is refused."""
+
+    def __init__(self) -> None:
+        self.open: WeightUpdate | None = None
+
+    def take(self, update: WeightUpdate, state: str) -> None:
+        if self.open is not None:
+            raise IllegalStateError("open a second weight update", f"{state} with one open")
+        self.open = update
+
+    def let_go(self, update: WeightUpdate) -> None:
+        if self.open is update:
+            self.open = None
+
+
+def read_dir(path: str) -> Named:
+    """Every tensor of a directory of safetensors (blocking)."""
+    return list(iter_safetensors(path))
+
+
+class _Phase(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABANDONED = "abandoned"
+
+
+class WeightUpdate:
+    """One update in parts: ``async with engine.weight_update() as update``.
+
+    ``await update.push(named)`` checks the tensors (an unknown name, a wrong shape, a dtype
+    that cannot be cast, a NaN or an infinity: ``InvalidRequestError`` naming the tensor,
+    and that part is not staged) and copies them, off the event loop, into each weight's
+    dtype on the engine's device: the caller may reuse its buffers at once. A name pushed
+    again replaces its earlier tensor. When the block exits cleanly the staged tensors apply
+    at once and ``weight_version`` increments; an exception or a cancellation inside the
+    block applies nothing. An update is used once: entering it again, or pushing after it
+    ended, raises ``InvalidRequestError``.
+    """
+
+    def __init__(
+        self,
+        specs: WeightSpecs,
+        device: torch.device,
+        kept_kv: KeptKV,
+        slot: UpdateSlot,
+        check: Callable[[KeptKV], str],
+        commit: Callable[[Named, KeptKV], Awaitable[None]],
+    ) -> None:
+        if kept_kv not in ("recompute", "reuse"):
+            raise InvalidRequestError("kept_kv", f"must be 'recompute' or 'reuse', got {kept_kv!r}")
+        self._specs = specs
+        self._device = device
+        self.kept_kv: KeptKV = kept_kv
+        self._slot, self._check, self._commit = slot, check, commit
+        self._staged: dict[str, torch.Tensor] = {}
+        self._phase = _Phase.NEW
+        self._lock = anyio.Lock()  # pushes stage one at a time
+
+    @property
+    def num_staged(self) -> int:
+        """How many tensors are staged so far."""
+        return len(self._staged)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(t.nbytes for t in self._staged.values())
+
+    async def __aenter__(self) -> WeightUpdate:
+        if self._phase is not _Phase.NEW:
+            raise InvalidRequestError(
+                "weight_update", f"this update is {self._phase.value}; open a new one"
+            )
+        state = self._check(self.kept_kv)  # raises if the engine cannot take an update now
+        self._slot.take(self, state)
+        self._phase = _Phase.OPEN
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        staged, self._staged = self._staged, {}
+        try:
+            if exc_type is None:
+                self._phase = _Phase.COMMITTED
+                await self._commit(list(staged.items()), self.kept_kv)
+        except BaseException:
+            self._phase = _Phase.ABANDONED
+            raise
+        finally:
+            if self._phase is _Phase.OPEN:
+                self._phase = _Phase.ABANDONED
+            staged.clear()
+            self._slot.let_go(self)
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check and stage one part: an iterable of ``(name, tensor)`` (full tensors).
+
+        Raises ``InvalidRequestError`` naming the first tensor that does not fit; then
+        nothing of this part is staged (earlier parts stay). Cancelling it stages nothing.
+        """
+        await self._stage(named, copy=True)
+
+    async def push_source(
+        self, source: str | Path | Iterable[tuple[str, torch.Tensor]], *, own: bool
+    ) -> None:
+        """Push a directory of safetensors (read off the event loop, never copied again) or
+        an iterable; ``own``: the iterable's tensors are staged as they are where they fit
+        (``update_weights`` awake, which copies them into the weights at once)."""
+        if isinstance(source, (str, Path)):
+            named = await anyio.to_thread.run_sync(read_dir, str(source))
+            await self._stage(named, copy=False)
+        else:
+            await self._stage(source, copy=not own)
+
+    async def _stage(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> None:
+        """``copy=False``: the tensors are the engine's already (read from a directory); they
+        are converted only where their dtype or device differs."""
+        if self._phase is not _Phase.OPEN:
+            raise InvalidRequestError(
+                "weight_update", f"push into an update that is {self._phase.value}"
+            )
+        part = check_named(self._specs, list(named))
+        async with self._lock:
+            staged = await anyio.to_thread.run_sync(self._convert, part, copy)
+            if self._phase is _Phase.OPEN:  # not ended while the part was converted
+                self._staged.update(staged)
+
+    def _convert(self, part: Named, copy: bool) -> dict[str, torch.Tensor]:
+        staged: dict[str, torch.Tensor] = {}
+        for name, tensor in part:
+            dtype = self._specs[name][1]
+            staged[name] = tensor.detach().to(self._device, dtype, copy=copy).contiguous()
+            check_finite(name, staged[name])
+        return staged
