@@ -275,3 +275,17 @@ def test_step_splits_each_kind_of_step_into_parts_that_sum_to_it(
         assert row["floor_kv_ms"] > 0 and row["step_over_floor"] > 0
     printed = (tmp_path / "step.txt").read_text()
     assert "rest of model" in printed and "step/floor" in printed
+
+
+def test_weights(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_bench("weights", tiny_llama_dir, tmp_path, capsys=capsys)
+    paths = [r["path"] for r in result["rows"]]
+    assert paths[0] == "memcpy (the limit)" and len(paths) == 5
+    assert any(p.startswith("asleep (level 2)") for p in paths)
+    assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in result["rows"])
+    assert all(r["peak_rss_over_bytes"] >= 0 for r in result["rows"])
+    # the whole model, once (packed weights' placeholders add a few bytes to the resident)
+    assert 0 < result["update_bytes"] <= result["weights_bytes"] <= result["update_bytes"] * 1.01
+    # each way ran once (quick): dir, tensors, parts, and asleep (its update, no disk read)
+    assert result["weight_version"] == 4
+    assert "of memcpy" in (tmp_path / "weights.txt").read_text()

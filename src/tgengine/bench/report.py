@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import step_split
+from . import step_split, weights_report
 from .control_plane import render as control_plane_lines
 from .plots import plot
 from .tables import isa_suffix, table
@@ -329,6 +329,7 @@ _RENDERERS = {
     "structured": _structured,
     "memory": _memory,
     "startup": _startup,
+    "weights": weights_report.render,
 }
 
 

@@ -1,0 +1,141 @@
+"""``bench weights``: a full in-process weight update, timed and its peak RSS measured.
+
+Every way in is timed on the same engine and the same bytes: ``update_weights(dir)``, a
+one-part ``update_weights(tensors)``, ``weight_update()`` in parts (awake), and the same
+parts with the weights asleep at level 2 (the parts become the weights; the wakeup is
+timed with them). The physical limit is a plain ``copy_`` of the same bytes, measured in
+the run. Peak RSS is sampled every millisecond over each operation, above the RSS at its
+start (what the update itself needs beyond the engine already loaded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import torch
+
+from ..agent.agent import process_rss
+from ..engine.engine import Engine
+from ..models import iter_safetensors
+from .common import BenchSetup
+from .engine_run import engine_config, warm_up
+
+_MIB = 1024**2
+Named = list[tuple[str, torch.Tensor]]
+
+
+def _parts(named: Named, part_bytes: int) -> list[Named]:
+    """``named`` in consecutive parts of about ``part_bytes`` each (a tensor never split)."""
+    parts: list[Named] = [[]]
+    size = 0
+    for name, tensor in named:
+        if parts[-1] and size + tensor.nbytes > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, tensor))
+        size += tensor.nbytes
+    return parts
+
+
+def _memcpy_seconds(named: Named, repeats: int) -> float:
+    """The fastest of ``repeats`` plain copies of every tensor into a buffer of its own."""
+    dst = [torch.empty_like(t) for _, t in named]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for d, (_, t) in zip(dst, named, strict=True):
+            d.copy_(t)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+async def _measured(action: Callable[[], Awaitable[object]]) -> tuple[float, int]:
+    """Seconds ``action`` took, and its peak RSS above the RSS when it began."""
+    base, _ = process_rss()
+    peak = base
+    done = anyio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process_rss()[0])
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        start = time.perf_counter()
+        try:
+            await action()
+        finally:
+            seconds = time.perf_counter() - start
+            done.set()
+    peak = max(peak, process_rss()[0])
+    return seconds, peak - base
+
+
+async def _push(engine: Engine, parts: list[Named]) -> None:
+    async with engine.weight_update() as update:
+        for part in parts:
+            await update.push(part)
+
+
+async def _asleep_push(engine: Engine, parts: list[Named]) -> None:
+    await engine.sleep(2)
+    await _push(engine, parts)
+    await engine.wakeup(["weights"])
+
+
+async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str, Any]:
+    config = engine_config(setup)
+    engine = Engine(config)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        await warm_up(engine)
+        dtype = engine._loop.info.dtype if engine._loop.info else torch.float32
+        named = [(n, t.to(dtype)) for n, t in iter_safetensors(setup.model_dir)]
+        specs = engine._loop.info.weight_specs if engine._loop.info else {}
+        named = [(n, t) for n, t in named if n in specs]
+        total = sum(t.nbytes for _, t in named)
+        weights = sum(s.weights_bytes for s in engine.memory_stats().values())
+        parts = _parts(named, part_bytes)
+        memcpy = await anyio.to_thread.run_sync(_memcpy_seconds, named, repeats)
+        ways: dict[str, Callable[[], Awaitable[object]]] = {
+            "update_weights(dir)": partial(engine.update_weights, setup.model_dir),
+            "update_weights(tensors)": partial(engine.update_weights, named),
+            f"weight_update() in {len(parts)} parts": partial(_push, engine, parts),
+            f"asleep (level 2): {len(parts)} parts + wakeup": partial(_asleep_push, engine, parts),
+        }
+        rows = [{"path": "memcpy (the limit)", "seconds": memcpy, "peak_rss_over_bytes": 0}]
+        for name, action in ways.items():
+            runs = [await _measured(action) for _ in range(repeats)]
+            seconds = min(s for s, _ in runs)
+            rows.append(
+                {"path": name, "seconds": seconds, "peak_rss_over_bytes": max(p for _, p in runs)}
+            )
+        version = engine.weight_version
+        tg.cancel_scope.cancel()
+    for row in rows:
+        row["gb_per_s"] = total / row["seconds"] / 1e9
+        row["fraction_of_memcpy"] = memcpy / row["seconds"]
+        row["peak_over_weights"] = row["peak_rss_over_bytes"] / max(1, weights)
+    return {
+        "rows": rows,
+        "update_bytes": total,
+        "weights_bytes": weights,
+        "part_bytes": part_bytes,
+        "num_parts": len(parts),
+        "weight_version": version,
+    }
+
+
+def run_weights(setup: BenchSetup, *, part_mib: int = 64, repeats: int = 3) -> dict[str, Any]:
+    result = anyio.run(partial(_weights, setup, part_mib * _MIB, repeats))
+    return {
+        "bench": "weights",
+        "workload": {"part_mib": part_mib, "repeats": repeats},
+        **result,
+    }

@@ -1,0 +1,39 @@
+"""``bench weights``' table and chart (the runner is ``bench.weights``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .tables import table
+
+_MIB = 1024**2
+
+
+def render(result: dict[str, Any]) -> str:
+    out = table(
+        result["rows"],
+        [
+            ("path", "path"),
+            ("seconds", "seconds"),
+            ("gb_per_s", "GB/s"),
+            ("fraction_of_memcpy", "of memcpy"),
+            ("peak_rss_over_bytes", "peak RSS over start (B)"),
+            ("peak_over_weights", "peak / weights"),
+        ],
+    )
+    return (
+        f"{out}\nupdate: {result['update_bytes'] / _MIB:.1f} MiB in {result['num_parts']} "
+        f"parts of <= {result['part_bytes'] / _MIB:.0f} MiB; weights resident "
+        f"{result['weights_bytes'] / _MIB:.1f} MiB"
+    )
+
+
+def draw(axes: Any, result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    names = [r["path"] for r in rows]
+    axes[0].barh(names, [r["gb_per_s"] for r in rows], color="tab:blue")
+    axes[0].set_xlabel("GB/s (update bytes / seconds)")
+    axes[0].invert_yaxis()
+    axes[1].barh(names, [r["peak_over_weights"] for r in rows], color="tab:red")
+    axes[1].set_xlabel("peak RSS above the start, / resident weights")
+    axes[1].invert_yaxis()
