@@ -51,6 +51,10 @@ class EngineModel:
     weights: str = "A"  # the weight set resident (or offloaded): "A" on disk, "B" pushed
     host_copy: bool = False  # level-1 sleep keeps the weights in host memory
     version: int = 0
+    # an update while the weights sleep waits for their wakeup (in-process executors only:
+    # the mp one refuses it); the weight set it holds
+    stages: bool = True
+    staged: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -130,8 +134,11 @@ class EngineModel:
             return None
         if self.state is not S.SLEEPING:
             return IllegalStateError
-        if "weights" in tags and "weights" in self.sleeping and not self.host_copy:
-            self.weights, self.version = "A", self.version + 1  # reloaded from disk
+        if "weights" in tags and "weights" in self.sleeping:
+            if self.staged is not None:  # a whole set: nothing is read from disk
+                self.weights, self.staged = self.staged, None
+            elif not self.host_copy:
+                self.weights, self.version = "A", self.version + 1  # reloaded from disk
         if "weights" in tags:
             self.host_copy = False
         self.sleeping -= set(tags)
@@ -141,15 +148,22 @@ class EngineModel:
                 self.pause_mode = None
         return None
 
-    def update_weights(self, weights: str | None) -> type[Exception] | None:
+    def update_weights(
+        self, weights: str | None, kept_kv: str = "recompute"
+    ) -> type[Exception] | None:
         """``weights=None``: an invalid set, refused whole."""
         if self.state not in (S.RUNNING, S.PAUSED, S.SLEEPING):
             return IllegalStateError
-        if "weights" in self.sleeping:
+        asleep = "weights" in self.sleeping
+        if asleep and not self.stages:
             return EngineSleepingError
-        if weights is None:
+        if weights is None or (kept_kv == "reuse" and self.state is S.SLEEPING):
             return ValueError  # InvalidRequestError
-        self.weights, self.version = weights, self.version + 1
+        if asleep:
+            self.staged = weights
+        else:
+            self.weights = weights
+        self.version += 1
         return None
 
     def memory(self) -> tuple[bool, bool, bool]:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import pytest
 import torch
 from anyio.from_thread import start_blocking_portal
@@ -52,6 +53,7 @@ from safetensors.torch import save_file
 
 from tgengine import (
     EngineDeadError,
+    EngineSleepingError,
     EngineState,
     IllegalStateError,
     InvalidRequestError,
@@ -151,7 +153,7 @@ SPLIT_MIN_TOKENS = 3
 INVALID_CALLS: dict[str, tuple[str, tuple[Any, ...], str, Any]] = {
     "pause mode": ("pause", ("bogus",), "mode", "bogus"),
     "sleep level": ("sleep", (3,), "level", 3),
-    "sleep mode": ("sleep", (1, "keep"), "mode", "keep"),
+    "sleep mode": ("sleep", (1, "bogus"), "mode", "bogus"),
     "wakeup no tag": ("wakeup", ([],), "tags", None),
     "wakeup unknown tag": ("wakeup", (["bogus"],), "tags", None),
     "abort unknown id": ("abort", (), "", None),
@@ -329,13 +331,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not checker_problems(), checker_problems()  # the block check the machine uses
         self.weights = weight_sets(str(self.dir_a), str(self.dir_b))
         self.driver: EngineDriver | None = None
-        self.model = EngineModel("reject")
+        self.model = EngineModel("reject", stages=self.kind != "mp")
         self.when_asleep = "reject"
         self.ids = itertools.count()
         self.num_engines = 0
         self.num_deaths = 0
         self.smallest_started = False
         self.all_faults_done = False
+        self.kept_cycle_done = False
 
     @initialize(when_asleep=st.sampled_from(["reject", "wait"]))
     def start_engine(self, when_asleep: str = "reject", block_bytes: int | None = None) -> None:
@@ -354,7 +357,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
         self.num_engines += 1
         self.driver = EngineDriver(self.portal, config, self.num_engines, self.kind)
-        self.model = EngineModel(when_asleep)
+        self.model = EngineModel(when_asleep, stages=self.kind != "mp")
         if self.d.inside:
             total = self.d.run_sync(lambda: self.d.engine.stats().num_total_blocks)
             assert total == NUM_BLOCKS, f"{total} KV blocks planned, {NUM_BLOCKS} wanted"
@@ -861,7 +864,9 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.driver is not None)  # stopped too: refused
     @rule(
-        level=st.sampled_from([1, 2]), mode=st.sampled_from(["abort", "drain"]), busy=st.booleans()
+        level=st.sampled_from([1, 2]),
+        mode=st.sampled_from(["abort", "drain", "keep"]),
+        busy=st.booleans(),
     )
     def sleep(self, level: int, mode: str, busy: bool = False) -> None:
         self.busy(busy)
@@ -904,7 +909,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         (no draws depend on the engine)."""
         self.sleep(2, mode, busy=True)
         self.check_engine()
-        self.update_weights("B")  # refused while the weights sleep
+        self.update_weights("B")  # staged while the weights sleep (the mp kind: refused)
         first, second = (
             (["weights"], ["kv_cache"]) if weights_first else (["kv_cache"], ["weights"])
         )
@@ -953,14 +958,21 @@ class LifecycleMachine(RuleBasedStateMachine):
             req.weights_changed(weights)
 
     @precondition(lambda self: self.driver is not None)  # stopped too: refused
-    @rule(weights=st.sampled_from(["A", "B", "A from its directory", *INVALID_WEIGHTS]))
-    def update_weights(self, weights: str, float64: bool = False) -> None:
+    @rule(
+        weights=st.sampled_from(["A", "B", "A from its directory", *INVALID_WEIGHTS]),
+        kept_kv=st.sampled_from(["recompute", "reuse"]),
+    )
+    def update_weights(self, weights: str, float64: bool = False, kept_kv: str = "") -> None:
         """``float64``: the tensors in another float dtype than the model's (converted on
-        the way in; float32 values survive the round trip exactly)."""
+        the way in; float32 values survive the round trip exactly). ``kept_kv``: what
+        requests holding KV keep ("" or the process kind: the default, "recompute";
+        "reuse" is refused while asleep, where sleep released that KV)."""
+        options = {"kept_kv": kept_kv} if kept_kv and self.kind != "process" else {}
+        kept_kv = options.get("kept_kv", "recompute")
         culprit = ""
         named: Any
         if weights == "A from its directory":
-            named, want = str(self.dir_a), self.model.update_weights("A")
+            named, want = str(self.dir_a), self.model.update_weights("A", kept_kv)
         elif weights in INVALID_WEIGHTS:  # a valid tensor first: nothing may be applied
             (name, tensor), (bad, good) = self.weights["B"][:2]
             wrong, culprit = INVALID_WEIGHTS[weights](bad, good)
@@ -970,20 +982,114 @@ class LifecycleMachine(RuleBasedStateMachine):
             named = self.weights[weights]
             if float64:
                 named = [(name, tensor.double()) for name, tensor in named]
-            want = self.model.update_weights(weights)
+            want = self.model.update_weights(weights, kept_kv)
         kept: list[int] = []
 
         async def update() -> None:
-            await self.d.engine.update_weights(named)
+            await self.d.engine.update_weights(named, **options)
             kept.append(self.d.cached_prefixes())  # no step ran with the new weights yet
 
         _, error = self.control(update)
         self.expect(error, want, "update weights")
-        if culprit and want is ValueError:
-            assert isinstance(error, InvalidRequestError) and error.field == "weights", error
-            assert culprit in str(error), (culprit, error)  # it names the tensor and the fault
+        if want is ValueError:
+            assert isinstance(error, InvalidRequestError), error
+            if kept_kv == "reuse" and self.model.state is S.SLEEPING:  # checked first
+                assert error.field == "kept_kv" and "released the KV" in str(error), error
+            else:
+                assert error.field == "weights", error
+                assert culprit in str(error), (culprit, error)  # it names the tensor and fault
         assert kept in ([], [0]), f"{kept} prefixes computed with the old weights kept"
         self.weights_are(self.model.weights)
+
+    @precondition(lambda self: self.driver is not None and self.kind != "process")
+    @rule(
+        weights=st.sampled_from(["A", "B", "bad part"]),
+        num_parts=st.integers(1, 3),
+        end=st.sampled_from(["commit", "raise", "cancel"]),
+    )
+    def update_in_parts(self, weights: str, num_parts: int, end: str) -> None:
+        """``weight_update()``: the weights pushed in ``num_parts`` parts; the block ends
+        cleanly (everything applies at once), raises or is cancelled (nothing applies), or
+        a part is invalid (refused naming its tensor, nothing applies). A second update
+        while this one is open is refused; a committed one cannot be entered again.
+        (ProcessEngine has no ``weight_update``.)"""
+        named = self.weights["A" if weights == "bad part" else weights]
+        size = -(-len(named) // num_parts)
+        parts = [named[i : i + size] for i in range(0, len(named), size)]
+        trial = dataclasses.replace(self.model)
+        want = trial.update_weights(None if weights == "bad part" else weights)
+        second: list[Any] = []
+        entered: list[Any] = []
+
+        async def update() -> None:
+            engine = self.d.engine
+            with anyio.CancelScope() as scope:
+                async with engine.weight_update() as u:
+                    entered.append(u)
+                    for part in parts:
+                        await u.push(part)
+                    try:
+                        async with engine.weight_update():
+                            pass
+                    except IllegalStateError as exc:
+                        second.append(exc)
+                    if weights == "bad part":
+                        await u.push([(parts[0][0][0], torch.zeros(3))])
+                    if end == "raise":
+                        raise KeyError("the trainer failed")
+                    if end == "cancel":
+                        scope.cancel()
+                        await anyio.lowlevel.checkpoint()
+
+        _, error = self.control(update)
+        if want in (IllegalStateError, EngineSleepingError):  # refused when entered
+            assert type(error) is want and not entered, (error, want)
+            return
+        assert len(second) == 1 and "second weight update" in str(second[0]), second
+        if weights == "bad part":
+            assert isinstance(error, InvalidRequestError), error
+            assert f"{parts[0][0][0]}: shape (3,)" in str(error), error
+        elif end == "raise":
+            assert isinstance(error, KeyError), error
+        else:
+            assert error is None, error
+        if error is None and end == "commit":
+            self.model.update_weights(weights)
+            self.weights_are(self.model.weights)
+            _, again = self.control(entered[0].__aenter__)
+            assert isinstance(again, InvalidRequestError) and "committed" in str(again), again
+        self.check_engine()  # nothing applied but a committed update: version, weights
+
+    @precondition(lambda self: self.model.state is S.RUNNING)
+    @rule(level=st.sampled_from([1, 2]), weights=st.sampled_from(["A", "B"]))
+    def keep_cycle(self, level: int, weights: str) -> None:
+        """The RL cycle with requests kept (DESIGN.md §7): a request runs, the engine sleeps
+        in "keep" mode (the request stays, its blocks go back: the checks after each step
+        say so), an update reusing the KV is refused (sleep released it), one request kept
+        is aborted asleep (it ends at once), the weights wake, new weights apply (their KV
+        recomputed), the KV cache wakes: the kept requests go on. Then, awake, a pause in
+        "keep" mode and an update that reuses the KV the old weights computed, and a resume.
+        Fixed sub-steps: no draws."""
+        self.kept_cycle_done = True
+        self.busy(True)
+        self.sleep(level, "keep", busy=True)  # two requests (at least) kept
+        self.check_engine()
+        self.update_weights(weights, kept_kv="reuse")  # refused: nothing changes
+        self.check_engine()
+        self.admit(1, MAX_TOKENS)  # refused, or (when_asleep="wait") held
+        if self.live():
+            self.abort(0)  # a kept request, asleep: it ends now
+        self.check_engine()
+        self.wakeup(["weights"])
+        self.update_weights(weights)
+        self.check_engine()
+        self.wakeup(["kv_cache"])
+        self.check_engine()
+        self.pause("keep", busy=True)
+        self.update_weights("A", kept_kv="reuse")
+        self.check_engine()
+        self.resume()
+        self.check_engine()
 
     @precondition(lambda self: self.model.state is S.RUNNING)
     @rule(weights=st.sampled_from(["A", "B"]))
@@ -1371,12 +1477,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert engine_threads() == []
 
     def finish_gracefully(self) -> None:
-        """Let every held and frozen request run to its natural end, then stop."""
+        """Let every held and frozen request run to its natural end (through the keep cycle,
+        if the example made none), then stop."""
         if self.model.alive:
             if self.model.state is S.SLEEPING:
                 self.wakeup(["weights", "kv_cache"])
             if self.model.state is S.PAUSED:
                 self.resume()
+            if self.model.state is S.RUNNING and not self.kept_cycle_done:
+                self.keep_cycle(2, "B")  # random draws may miss it: once per example, with
+                # whatever requests are still live
             for req in self.live():
                 req.must_end = True
             self.check_engine()
