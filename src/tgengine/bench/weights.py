@@ -109,7 +109,9 @@ async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str
             f"weight_update() in {len(parts)} parts": partial(_push, engine, parts),
             f"asleep (level 2): {len(parts)} parts + wakeup": partial(_asleep_push, engine, parts),
         }
-        rows = [{"path": "memcpy (the limit)", "seconds": memcpy, "peak_rss_over_bytes": 0}]
+        rows: list[dict[str, Any]] = [
+            {"path": "memcpy (the limit)", "seconds": memcpy, "peak_rss_over_bytes": 0}
+        ]
         for name, action in ways.items():
             runs = [await _measured(action) for _ in range(repeats)]
             seconds = min(s for s, _ in runs)

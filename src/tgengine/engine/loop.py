@@ -179,10 +179,9 @@ class EngineLoop:
                 self.weight_version += 1
 
     async def apply_weights(self, named: list[Any], *, stage: bool, recompute: bool) -> None:
-        """Apply ``named`` weights between two steps, whole (shielded once begun): cached
-        prefixes of the old ones go; ``recompute``: every running sequence is preempted, to
-        be recomputed with them. ``stage``: the weights sleep; the executor keeps the
-        tensors for their wakeup (``StagesWeights``)."""
+        """Apply ``named`` weights between two steps, whole (shielded once begun); then
+        ``weights_changed``. ``stage``: the weights sleep; the executor keeps the tensors
+        for their wakeup (``StagesWeights``)."""
         async with self._step_lock:
             with anyio.CancelScope(shield=True):
                 if stage:
@@ -191,10 +190,7 @@ class EngineLoop:
                 else:
                     await self.executor.update_weights(named)
                 self.weight_version += 1
-                if recompute:
-                    self.preempt_all()
-                self._scheduler.block_manager.forget_prefixes()
-                self.notify()
+                self.weights_changed(recompute=recompute)
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         return self.executor.memory_stats()
@@ -261,6 +257,14 @@ class EngineLoop:
         preempted = self._scheduler.preempt_all()
         self.num_preemptions += len(preempted)
         return len(preempted)
+
+    def weights_changed(self, *, recompute: bool) -> None:
+        """New weights (between two steps): cached prefixes are stale; with ``recompute``
+        every running sequence is preempted, to be recomputed with them."""
+        if recompute:
+            self.preempt_all()
+        self._scheduler.block_manager.forget_prefixes()
+        self.notify()
 
     async def _step(self) -> bool:
         """Run one step; False when nothing could be scheduled."""

@@ -61,8 +61,11 @@ class WeightUpdate:
     dtype on the engine's device: the caller may reuse its buffers at once. A name pushed
     again replaces its earlier tensor. When the block exits cleanly the staged tensors apply
     at once and ``weight_version`` increments; an exception or a cancellation inside the
-    block applies nothing. An update is used once: entering it again, or pushing after it
-    ended, raises ``InvalidRequestError``.
+    block applies nothing; once the commit has the engine between two steps it completes
+    (shielded). An update is used once: entering it again, or pushing after it ended,
+    raises ``InvalidRequestError``. With the weights asleep the committed tensors wait for
+    ``wakeup(["weights"])``; at level 2 each becomes its weight (no second copy), and only
+    weights nobody pushed are read from the model directory.
     """
 
     def __init__(
