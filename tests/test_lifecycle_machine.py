@@ -1,7 +1,8 @@
 """A hypothesis state machine over a real tiny model: the lifecycle as a complete oracle.
 
 Rules drive every lifecycle call and fault (generate, break off, cancel, abort, pause,
-resume, sleep, wakeup, update_weights valid and invalid, stop with a grace, a step that
+resume, sleep (``keep`` included), wakeup, update_weights valid and invalid (with either
+``kept_kv``), updates in parts (``weight_update()``), stop with a grace, a step that
 raises or hangs, one request's cache error, one constrained request's grammar rejecting
 it), on asyncio and on trio; requests may carry structured outputs or ask for log
 probabilities. A model (``lifecycle_model``) says how every request must end and what the

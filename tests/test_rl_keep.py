@@ -361,3 +361,22 @@ async def test_sampled_kept_request_is_unchanged_by_a_keep_sleep(tiny_llama_dir:
                 await engine.sleep(1, "keep")
                 await engine.wakeup()
     assert kept.tokens == want  # the seeded generator went on where it was
+
+
+async def test_level_2_a_partial_update_reads_the_rest_from_disk(tiny_llama_dir: Path) -> None:
+    disk = dict(iter_safetensors(tiny_llama_dir))
+    pushed = {"model.norm.weight": disk["model.norm.weight"] * 2}
+    config = tiny_config(tiny_llama_dir, prepack_weights=False)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(config) as engine:
+            await engine.sleep(2)
+            async with engine.weight_update() as update:
+                await update.push(pushed.items())
+            await engine.wakeup()
+            assert engine.weight_version == 2  # the update, and the reload of the rest
+            agent = engine._executor.agent  # type: ignore[attr-defined]
+            params = dict(agent._model.named_parameters())
+            for name, want in {**disk, **pushed}.items():
+                if name in params:
+                    assert torch.equal(params[name].data, want), name
+            assert len(tokens_of(await collect(engine, PROMPT, greedy(4)))) == 4
