@@ -46,7 +46,7 @@ def rebuild_from_staged(
         tensor = staged.pop(name, None)
         if tensor is not None:
             pushed.add(name)
-            if _fits(tensor, shape, p.dtype, device):
+            if _fits(tensor, shape, p.dtype, p.device):  # the placeholder's: cuda:0, not cuda
                 p.data = tensor  # the pushed tensor becomes the weight: no second copy
                 continue
             shards.append((name, tensor))  # a rank's shard of it: copied below
