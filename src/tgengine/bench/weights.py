@@ -10,6 +10,7 @@ start (what the update itself needs beyond the engine already loaded).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -18,7 +19,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..agent.agent import process_rss
+from ..agent.agent import _trim_host_heap, process_rss
 from ..engine.engine import Engine
 from ..models import iter_safetensors
 from .common import BenchSetup
@@ -54,7 +55,10 @@ def _memcpy_seconds(named: Named, repeats: int) -> float:
 
 
 async def _measured(action: Callable[[], Awaitable[object]]) -> tuple[float, int]:
-    """Seconds ``action`` took, and its peak RSS above the RSS when it began."""
+    """Seconds ``action`` took, and its peak RSS above the RSS when it began (freed heap
+    handed back first: else a reused free heap hides what the action needs)."""
+    gc.collect()
+    _trim_host_heap()
     base, _ = process_rss()
     peak = base
     done = anyio.Event()
