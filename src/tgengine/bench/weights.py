@@ -103,9 +103,9 @@ async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         await warm_up(engine)
-        dtype = engine._loop.info.dtype if engine._loop.info else torch.float32
+        dtype = engine._info.dtype if engine._info else torch.float32
         named = [(n, t.to(dtype)) for n, t in iter_safetensors(setup.model_dir)]
-        specs = engine._loop.info.weight_specs if engine._loop.info else {}
+        specs = engine._info.weight_specs if engine._info else {}
         named = [(n, t) for n, t in named if n in specs]
         total = sum(t.nbytes for _, t in named)
         weights = sum(s.weights_bytes for s in engine.memory_stats().values())

@@ -432,4 +432,3 @@ class _LoopOwner:
 
     def loop_failed(self, cause: BaseException) -> None:
         self._engine._die(cause)
-
