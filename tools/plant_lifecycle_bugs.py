@@ -49,12 +49,10 @@ BUGS: dict[str, tuple[str, str, str]] = {
         '        if mode == "abort":\n            self._end_all("abort")\n',
         '        if mode in ("abort", "keep"):\n            self._end_all("abort")\n',
     ),
-    "failed-update-bumps-version": (
-        "engine/loop.py",
-        "            await self.executor.update_weights(named)\n"
-        "            self.weight_version += 1\n",
-        "            self.weight_version += 1\n"
-        "            await self.executor.update_weights(named)\n",
+    "failed-update-applies": (  # a part refused (or the block raised): the rest applies
+        "engine/weight_update.py",
+        "            if exc_type is None:\n",
+        "            if True:\n",
     ),
     "dropped-stream-does-not-abort": (
         "engine/stream.py",
@@ -75,7 +73,7 @@ BUGS: dict[str, tuple[str, str, str]] = {
     ),
     "update-keeps-stale-prefix-cache": (
         "engine/loop.py",
-        "            self._scheduler.block_manager.forget_prefixes()\n",
+        "        self._scheduler.block_manager.forget_prefixes()\n",
         "",
     ),
     "abort-keeps-blocks": (
