@@ -44,8 +44,11 @@ def _parts(named: Named, part_bytes: int) -> list[Named]:
 
 
 def _memcpy_seconds(named: Named, repeats: int) -> float:
-    """The fastest of ``repeats`` plain copies of every tensor into a buffer of its own."""
+    """The fastest of ``repeats`` plain copies of every tensor into a buffer of its own
+    (touched once first: the limit is the copy, not the kernel's first-touch page faults)."""
     dst = [torch.empty_like(t) for _, t in named]
+    for d, (_, t) in zip(dst, named, strict=True):
+        d.copy_(t)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
