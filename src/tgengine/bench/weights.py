@@ -161,3 +161,21 @@ def run_weights(setup: BenchSetup, *, part_mib: int = 64, repeats: int = 3) -> d
         "workload": {"part_mib": part_mib, "repeats": repeats},
         **result,
     }
+
+
+def add_parser(benches: Any, common: Callable[[Any], None], handler: Callable[..., int]) -> None:
+    """Register ``bench weights``: ``common`` adds the options every bench takes."""
+    p = benches.add_parser(
+        "weights", help="a full weight update: time and peak RSS of each way in, vs memcpy"
+    )
+    common(p)
+    p.add_argument("--part-mib", type=int, help="MiB per pushed part (default: 64; quick: 1)")
+    p.add_argument("--repeats", type=int, help="runs of each; the fastest counts (default: 3)")
+    p.set_defaults(handler=handler, runner=_from_args)
+
+
+def _from_args(setup: BenchSetup, args: Any) -> dict[str, Any]:
+    quick = bool(args.quick)
+    part_mib = args.part_mib if args.part_mib is not None else (1 if quick else 64)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
+    return run_weights(setup, part_mib=part_mib, repeats=repeats)

@@ -238,13 +238,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.set_defaults(handler=run, runner=_lifecycle)
 
-    p = benches.add_parser(
-        "weights", help="a full weight update: time and peak RSS of each way in, vs memcpy"
-    )
-    _common(p)
-    p.add_argument("--part-mib", type=int, help="MiB per pushed part (default: 64; quick: 1)")
-    p.add_argument("--repeats", type=int, help="runs of each; the fastest counts (default: 3)")
-    p.set_defaults(handler=run, runner=_weights)
+    from ..bench.weights import add_parser as add_weights  # its options, and _common's
+
+    add_weights(benches, _common, run)
 
     p = benches.add_parser("parity", help="greedy tokens vs transformers generate (any device)")
     _common(p)
@@ -363,16 +359,6 @@ def _lifecycle(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         num_running=_pick(args.num_running, 16, 4, args),
         cycles=_pick(args.cycles, 20, 2, args),
         drift_level=args.drift_level,
-    )
-
-
-def _weights(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from ..bench.weights import run_weights
-
-    return run_weights(
-        setup,
-        part_mib=_pick(args.part_mib, 64, 1, args),
-        repeats=_pick(args.repeats, 3, 1, args),
     )
 
 
