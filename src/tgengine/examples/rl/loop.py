@@ -7,7 +7,8 @@ One cycle, in order (each call and why: docs/rl.md):
    ``weight_version`` it came from;
 2. rewards and group-normalised advantages;
 3. ``sleep(level)``: the KV cache goes (and at level 2 the weights), the trainer steps;
-4. ``wakeup(["weights"])``, ``update_weights(trainer's tensors)``, ``wakeup(["kv_cache"])``.
+4. ``wakeup(["weights"])``, the trainer's tensors pushed in parts (``weight_update()``, one
+   part a layer; ``update_weights`` for an engine in another process), ``wakeup(["kv_cache"])``.
 
 Every cycle runs under ``fail_after(cycle_timeout)``: a hang is an error, never a stall. An
 engine that dies (``EngineDeadError``, from ``generate`` or as an ``"error"`` chunk of a
@@ -28,6 +29,7 @@ from typing import Any
 import anyio
 
 from ...engine.client import EngineClient
+from ...engine.engine import Engine
 from ...errors import EngineDeadError
 from ...sampling import SamplingParams
 from ...state import EngineState
@@ -257,9 +259,23 @@ def _first(group: BaseExceptionGroup[Any]) -> BaseException:
 
 
 async def push_weights(engine: EngineClient, named: Sequence[tuple[str, Any]]) -> None:
-    """Push the trainer's tensors: today one ``update_weights`` of every trained tensor.
+    """Push the trainer's tensors, in parts: one a decoder layer, through
+    ``engine.weight_update()`` (each part checked as it arrives, all applied at once at the
+    end of the block). An engine in another process takes one ``update_weights`` of them
+    all: its ``weight_update()`` is not there yet (issue 32's remote parts)."""
+    if not isinstance(engine, Engine):
+        await engine.update_weights(named)
+        return
+    async with engine.weight_update() as update:
+        for part in layer_parts(named):
+            await update.push(part)
 
-    With #32's updates in parts this becomes
-    ``async with engine.weight_update() as u: await u.push(part)`` per layer.
-    """
-    await engine.update_weights(named)
+
+def layer_parts(named: Sequence[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
+    """``named`` grouped by decoder layer (``model.layers.N.``), other tensors one each."""
+    parts: dict[str, list[tuple[str, Any]]] = {}
+    for name, tensor in named:
+        head = name.split(".")[:3]
+        key = ".".join(head) if head[1:2] == ["layers"] else name
+        parts.setdefault(key, []).append((name, tensor))
+    return list(parts.values())
