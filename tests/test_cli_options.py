@@ -63,6 +63,7 @@ SERVE_OPTIONS = {
     ("--tool-call-parser", "hermes"): ("server", "tool_call_parser", "hermes"),
     ("--protect-metrics",): ("server", "protect_metrics", True),
     ("--metrics-prefix", "vllm"): ("server", "metrics_prefix", "vllm"),
+    ("--allow-additional-properties",): ("server", "allow_additional_properties", True),
     ("--engine-process",): ("args", "engine_process", True),
     ("--no-engine-process",): ("args", "engine_process", False),  # the default
     ("--restart-on-failure",): ("args", "restart_on_failure", True),  # the default
