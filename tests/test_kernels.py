@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_helpers import avx512_bf16
 from tgengine import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
@@ -69,6 +70,40 @@ def test_kernel_matches_the_torch_path(
     got = paged_attention(q, q, q, blocks, fast, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 256), (24, 3, 96), (12, 2, 80)],
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_decode_attention_with_and_without_avx512_bf16_matches_the_torch_path(
+    avx512: bool, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    # The AVX-512 BF16 form (paged_attention_avx512.cpp: head dims that are multiples of 32;
+    # 80 falls back to the AVX2 form) and the AVX2 one, each against the torch path; the two
+    # sum in different orders, so each is held to the torch path's tolerance, not to the other.
+    torch.manual_seed(head_dim)
+    rng = random.Random(head_dim)
+    block_size, num_blocks = 16, 256
+    lens = [1, 15, 16, 17, 33, rng.randint(40, 300), rng.randint(40, 300)]
+    inputs = _decode_inputs(lens, block_size, num_blocks)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).to(torch.bfloat16)
+    q = torch.randn(len(lens), num_heads, head_dim).to(torch.bfloat16)
+    # Scores of a few units: a softmax that is neither flat nor one-hot.
+    scale = 2.0 * head_dim**-0.5
+    plain = AttentionPlan.build(inputs, block_size, window)
+    fast = AttentionPlan.build(inputs, block_size, window, use_kernel=True)
+    want = paged_attention(q, q, q, blocks, plain, scale)
+    with avx512_bf16(avx512):
+        assert kernels.avx512_bf16() == avx512
+        got = paged_attention(q, q, q, blocks, fast, scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # Not a copy of the torch path by accident: a wrong scale is caught.
+    with avx512_bf16(avx512):
+        off = paged_attention(q, q, q, blocks, fast, scale * 1.5)
+    assert not torch.allclose(off.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def _prefill_inputs(

@@ -32,7 +32,11 @@ def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 def _prefill_then_decode(
     model: CausalLM, prompts: list[list[int]], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Prefill every prompt in one step, then one decode step of all; the decode logits."""
+    """Prefill every prompt in one step, then one decode step of all; the decode logits.
+
+    Each prompt decodes its first token again, not the prefill's argmax: two kernels that
+    sum in different orders may pick different argmaxes where a tiny random model's top
+    logits nearly tie, and then their decode logits could not be compared."""
     config = model.config
     cache = KVCache.allocate(config, 128, BLOCK_SIZE, dtype, "cpu")
     blocks = list(range(128))
@@ -43,14 +47,20 @@ def _prefill_then_decode(
         tables.append(table)
         seqs.append(SeqStep(str(len(seqs)), prompt, 0, table, GREEDY))
     with torch.inference_mode():
-        logits = model(prepare_inputs(seqs, BLOCK_SIZE, torch.device("cpu")), cache)
-        steps = [
-            SeqStep(str(i), [int(logits[i].argmax())], len(p), tables[i], GREEDY)
-            for i, p in enumerate(prompts)
-        ]
+        model(prepare_inputs(seqs, BLOCK_SIZE, torch.device("cpu")), cache)  # fills the KV
+        steps = [SeqStep(str(i), [p[0]], len(p), tables[i], GREEDY) for i, p in enumerate(prompts)]
         for i, step in enumerate(steps):
             prompts[i] = [*prompts[i], step.token_ids[0]]
         return model(prepare_inputs(steps, BLOCK_SIZE, torch.device("cpu")), cache)
+
+
+def assert_same_argmax(got: torch.Tensor, want: torch.Tensor, margin: float) -> None:
+    """``got`` picks ``want``'s greedy token in every row whose top two logits are more than
+    ``margin`` apart (rows nearer a tie may go either way within the tolerance)."""
+    top = want.topk(2, dim=-1).values
+    clear = (top[:, 0] - top[:, 1]) > margin
+    assert clear.any(), "no row to check: every top pair nearly ties"
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def _reference(model_dir: Path, prompts: list[list[int]]) -> torch.Tensor:
@@ -162,7 +172,8 @@ def test_packed_weights_replace_the_plain_ones(dtype: torch.dtype) -> None:
         torch.testing.assert_close(
             got.float(), F.linear(x.float(), plain.float()), atol=tol, rtol=tol
         )
-    assert isinstance(weights.packed, Panels) == (not can_prepack(dtype))
+    form = gemm.packed_form(dtype)
+    assert isinstance(weights.packed, Panels) == (form in ("panels", "pairs")), form
     gemm.unpack(weights)
     assert weights.packed is None and gemm.packed_bytes == 0
     assert torch.equal(weights.plain(), plain), "unpacking is exact"
@@ -187,7 +198,7 @@ def test_a_tied_head_packs_into_panels_that_the_embedding_reads(tiny_qwen2_dir: 
     got = _prefill_then_decode(packed, [list(p) for p in prompts], torch.bfloat16)
     want = _prefill_then_decode(plain, [list(p) for p in prompts], torch.bfloat16)
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert_same_argmax(got, want, 0.1)
 
 
 def test_upcast_products_match_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

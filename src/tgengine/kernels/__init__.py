@@ -48,12 +48,20 @@ _SOURCES = tuple(
         "argmax.cpp",
         "pair_panels.cpp",
         "pair_panels_avx512.cpp",
+        "paged_attention_avx512.cpp",
     )
 )
 _HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "pair_panels.h"))
-# Sources built for an ISA beyond the machine's own (-march=native): their code runs only
-# where the CPU has it (each says how it is guarded), so one build serves every variant.
-_ISA_FLAGS = {"pair_panels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]}
+# Flags of some sources beyond _FLAGS. The AVX-512 ones are built for an ISA beyond the
+# machine's own (-march=native): their code runs only where the CPU has it (each says how it
+# is guarded), so one build serves every variant. The portable pair-panel twin keeps its sums
+# in the order it writes them (the order vdpbf16ps adds in), which -fassociative-math would not.
+_AVX512_BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_SOURCE_FLAGS = {
+    "pair_panels.cpp": ["-fno-associative-math"],
+    "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
+    "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
+}
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -132,6 +140,11 @@ def load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
     lib.tg_cpu_has_avx512_bf16.restype = ctypes.c_int
+    lib.tg_use_avx512_bf16.restype = ctypes.c_int
+    lib.tg_use_avx512_bf16.argtypes = [ctypes.c_int]
+    fn = lib.tg_paged_decode_bf16_avx512
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float, ctypes.c_int]
     fn = lib.tg_decode_glue
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR]
@@ -143,7 +156,7 @@ def _build(compiler: str) -> Path:
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
-    key.update(repr(sorted(_ISA_FLAGS.items())).encode())
+    key.update(repr(sorted(_SOURCE_FLAGS.items())).encode())
     key.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
@@ -159,7 +172,7 @@ def _build(compiler: str) -> Path:
                 [
                     compiler,
                     *_FLAGS,
-                    *_ISA_FLAGS.get(source.name, []),
+                    *_SOURCE_FLAGS.get(source.name, []),
                     "-c",
                     "-o",
                     str(obj),
@@ -312,6 +325,23 @@ def paged_prefill(
     )
     if status != 0:
         raise RuntimeError(f"prefill-attention kernel refused the shapes (status {status})")
+
+
+def avx512_bf16() -> bool:
+    """Whether the AVX-512 BF16 kernels run: the bf16 decode attention
+    (``paged_attention_avx512.cpp``) and the pair panels ``Gemm`` packs bf16 weights into
+    (``pair_panels``). On where the CPU has AVX-512 BF16, unless ``TGENGINE_AVX512_BF16=0``
+    is in the environment or ``set_avx512_bf16(False)`` was called."""
+    lib = load()
+    return lib is not None and lib.tg_use_avx512_bf16(-1) == 1
+
+
+def set_avx512_bf16(on: bool) -> bool:
+    """Turn the AVX-512 BF16 kernels on (only where the CPU has them) or off, process-wide,
+    for comparisons and tests; returns whether they run now. Weights packed already keep
+    their form: set it before a model packs them."""
+    lib = load()
+    return lib is not None and lib.tg_use_avx512_bf16(int(on)) == 1
 
 
 @functools.cache

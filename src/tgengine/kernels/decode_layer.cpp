@@ -22,6 +22,9 @@ int tg_add_rms_norm(int dtype, void* x, void* residual, const void* weight, int6
                     int64_t size, float eps, int unit_offset, void* out, int threads);
 int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
                     int64_t n, const void* bias, void* out, int threads);
+int tg_pair_panel_linear_avx512(const void* x, int64_t m, int64_t k, const void* panels,
+                                int64_t n, const void* bias, void* out, int float_output,
+                                int threads);
 int tg_panel_linear_q8(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
                        const void* scales, int64_t n, const void* bias, void* out, int threads,
                        int float_output);
@@ -45,6 +48,7 @@ struct DecodeLayer {
   int64_t layer;  // its index in the KV cache
   int64_t rope;   // which of the step's cos/sin it rotates with
   int64_t plan;   // which of the step's block tables it attends with (one per window)
+  int64_t pairs;  // 1: the panels are bf16 pair panels (AVX-512 BF16, pair_panels.h)
   float eps, scale;
   const void *input_norm, *post_norm;
   const void *qkv_panels, *qkv_bias, *o_panels, *gate_up_panels, *down_panels;
@@ -89,11 +93,13 @@ struct Timed {
   }
 };
 
-// A product on half-precision panels, or on int8 ones where they have scales.
-int panel_product(const DecodeStep* S, int dtype, const void* x, int64_t m, int64_t k,
-                  const void* panels, const void* scales, int64_t n, const void* bias, void* out,
-                  int threads) {
+// A product on half-precision panels, on int8 ones where they have scales, or on bf16 pair
+// panels (a layer made only where the CPU runs them: fused_decode).
+int panel_product(const DecodeLayer* L, const DecodeStep* S, int dtype, const void* x,
+                  int64_t m, int64_t k, const void* panels, const void* scales, int64_t n,
+                  const void* bias, void* out, int threads) {
   Timed timed(S->spent_ns, 0);
+  if (L->pairs) return tg_pair_panel_linear_avx512(x, m, k, panels, n, bias, out, 0, threads);
   if (scales) return tg_panel_linear_q8(dtype, x, m, k, panels, scales, n, bias, out, threads, 0);
   return tg_panel_linear(dtype, x, m, k, panels, n, bias, out, threads);
 }
@@ -153,24 +159,24 @@ int decode_layer(const DecodeLayer* L, const DecodeStep* S, void* x, void* resid
                                L->unit_offset, h, threads);
   void* residual = residual_in ? residual_in : x;
   if (status) return 100 + status;
-  status = panel_product(S, dtype, h, rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
+  status = panel_product(L, S, dtype, h, rows, hidden, L->qkv_panels, L->qkv_scales, qkv_size,
                          L->qkv_bias, qkv, threads);
   if (status) return 200 + status;
   status = attend(L, S, qkv, q, cache, attn);
   if (status) return status;
-  status = panel_product(S, dtype, attn, rows, q_size, L->o_panels, L->o_scales, hidden,
+  status = panel_product(L, S, dtype, attn, rows, q_size, L->o_panels, L->o_scales, hidden,
                          nullptr, o, threads);
   if (status) return 500 + status;
   status = tg_add_rms_norm(dtype, o, residual, L->post_norm, rows, hidden, L->eps,
                            L->unit_offset, h, threads);
   if (status) return 600 + status;
-  status = panel_product(S, dtype, h, rows, hidden, L->gate_up_panels, L->gate_up_scales,
+  status = panel_product(L, S, dtype, h, rows, hidden, L->gate_up_panels, L->gate_up_scales,
                          2 * L->inter, nullptr, gate_up, threads);
   if (status) return 700 + status;
   status = tg_act_mul(dtype, static_cast<int>(L->act), gate_up, rows, L->inter,
                       inner, threads);
   if (status) return 800 + status;
-  status = panel_product(S, dtype, inner, rows, L->inter, L->down_panels, L->down_scales,
+  status = panel_product(L, S, dtype, inner, rows, L->inter, L->down_panels, L->down_scales,
                          hidden, nullptr, out, threads);
   return status ? 900 + status : 0;
 }

@@ -44,6 +44,7 @@ class _DecodeLayer(ctypes.Structure):
                 "layer",
                 "rope",
                 "plan",
+                "pairs",
             )
         ],
         ("eps", ctypes.c_float),
@@ -85,8 +86,9 @@ class DecodeStep(ctypes.Structure):
 
 
 class DecodeLayerCall:
-    """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form, or
-    ``kernels.quantize_panels``' int8 panels with their scales; None for a layer whose
+    """One layer's fixed arguments: its packed weights (``kernels.pack_panels`` form,
+    ``kernels.quantize_panels``' int8 panels with their scales, or, ``pairs``, bf16 pair
+    panels: ``kernels.pair_panels``, AVX-512 BF16 only; None for a layer whose
     products run outside, ``glue``), norms and sizes, as pointers; make a new one when they
     move (an update or a wakeup repacks them: ``fused_decode.DecodeCalls``)."""
 
@@ -110,6 +112,7 @@ class DecodeLayerCall:
         layer: int,
         rope: int,
         plan: int,
+        pairs: bool = False,
     ) -> None:
         # The weights are not kept alive (``sleep`` must be able to free them); the bias may
         # be a converted copy, kept.
@@ -129,6 +132,7 @@ class DecodeLayerCall:
             layer=layer,
             rope=rope,
             plan=plan,
+            pairs=int(pairs),
             eps=eps,
             scale=scale,
             input_norm=norms[0].data_ptr(),

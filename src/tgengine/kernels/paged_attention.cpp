@@ -16,6 +16,15 @@
 
 #include "simd.h"
 
+extern "C" int tg_use_avx512_bf16(int on);  // pair_panels.cpp
+extern "C" int tg_paged_decode_bf16_avx512(const void* q, const void* cache,
+                                           const int64_t* tables, const int64_t* lens,
+                                           void* out, int64_t num_seqs, int64_t num_heads,
+                                           int64_t num_kv_heads, int64_t num_blocks,
+                                           int64_t block_size, int64_t head_dim,
+                                           int64_t table_width, int64_t window, float scale,
+                                           int threads);
+
 namespace {
 
 using tg::from_float;
@@ -387,6 +396,12 @@ extern "C" int tg_paged_decode(int dtype, const void* q, const void* cache, cons
                              num_blocks, block_size, head_dim, table_width, window, scale,
                              threads);
     case 1:
+      // AVX-512 BF16 where the CPU has it (paged_attention_avx512.cpp), for the shapes it takes.
+      if (tg_use_avx512_bf16(-1) &&
+          tg_paged_decode_bf16_avx512(q, cache, tables, lens, out, num_seqs, num_heads,
+                                      num_kv_heads, num_blocks, block_size, head_dim,
+                                      table_width, window, scale, threads) == 0)
+        return 0;
       return dispatch<uint16_t>(q, cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
                                 num_blocks, block_size, head_dim, table_width, window, scale,
                                 threads);

@@ -3,6 +3,10 @@
 // AVX-512 BF16 variant (pair_panels_avx512.cpp) is tested against where it cannot run.
 #include "pair_panels.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 namespace {
 
 using tg::to_float;
@@ -10,7 +14,7 @@ using tg::to_float;
 struct Portable {
   template <int R, int NP>
   static void run(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
-                  float (*acc)[32]) {
+                  float (*acc)[32], const uint16_t* /*ahead: no prefetching here*/) {
     const int64_t pairs = (k + 1) / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       for (int r = 0; r < R; ++r) {
@@ -51,4 +55,19 @@ extern "C" int tg_cpu_has_avx512_bf16() {
 #else
   return 0;
 #endif
+}
+
+// Whether the AVX-512 BF16 variants run: the attention (tg_paged_decode asks for every bf16
+// call) and, through Python's kernels.avx512_bf16(), which form Gemm packs bf16 weights in.
+// on = -1 asks; 0 or 1 sets it (1 only where the CPU has the instructions), for
+// comparisons and tests. Starts on where the CPU has them, unless TGENGINE_AVX512_BF16=0.
+extern "C" int tg_use_avx512_bf16(int on) {
+  static std::atomic<int> use{-1};
+  if (on >= 0) {
+    use = on && tg_cpu_has_avx512_bf16();
+  } else if (use.load() < 0) {
+    const char* env = std::getenv("TGENGINE_AVX512_BF16");
+    use = tg_cpu_has_avx512_bf16() && !(env && std::strcmp(env, "0") == 0);
+  }
+  return use.load();
 }

@@ -1,12 +1,14 @@
 // Linear products on bf16 weights packed as *pair panels*, the layout AVX-512 BF16's
 // vdpbf16ps reads: 16 output rows side by side (one 512-bit register of float32 sums), each
 // row's weights in pairs of consecutive inputs, [ceil(n / 16)][ceil(k / 2)][16][2]
-// (kernels.pack_pair_panels). One blocking for every variant: 4 rows of x by 2 panels (32
+// (kernels.pack_pair_panels). One blocking for every variant: 8 rows of x by 2 panels (32
 // outputs) a block, the sums in float32, each output rounded once. A variant is a Micro with
 //   template <int R, int NP> static void run(const uint16_t* x, int64_t k, const uint16_t* panels,
-//                                            int64_t panel_stride, float (*acc)[32]);
+//                                            int64_t panel_stride, float (*acc)[32],
+//                                            const uint16_t* ahead);
 // that adds, for R rows of x and NP panels, every pair (x[2j], x[2j + 1]) times the
-// panels' pair j into acc[r][16 * p + lane], the odd product first (as vdpbf16ps does).
+// panels' pair j into acc[r][16 * p + lane], the odd product first (as vdpbf16ps does), and
+// may ask for the panels at ahead (null: none) to be brought into the caches meanwhile.
 // pair_panels.cpp holds the portable one, pair_panels_avx512.cpp the AVX-512 BF16 one.
 #pragma once
 
@@ -22,52 +24,73 @@ using tg::from_float;
 using tg::to_float;
 
 constexpr int64_t kPanel = 16;  // outputs per panel
-constexpr int kRows = 4;        // rows of x per block
-constexpr int kPanels = 2;      // panels per block
+constexpr int kRows = 8;        // rows of x per block
+constexpr int kPanels = 2;      // panels per block (32 outputs: 2 x 16 float32 sums a row)
+constexpr int64_t kChunk = 64;  // rows of x a pass over the weight serves (x stays in L2)
 
 inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * 2 * kPanel; }
 
 template <class Micro, int R>
 void block_rows(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride, int np,
-                float (*acc)[32]) {
+                float (*acc)[32], const uint16_t* ahead) {
   if (np == 2)
-    Micro::template run<R, 2>(x, k, panels, stride, acc);
+    Micro::template run<R, 2>(x, k, panels, stride, acc, ahead);
   else
-    Micro::template run<R, 1>(x, k, panels, stride, acc);
+    Micro::template run<R, 1>(x, k, panels, stride, acc, ahead);
+}
+
+template <class Micro>
+void block(const uint16_t* x, int rows, int64_t k, const uint16_t* panels, int64_t stride,
+           int np, float (*acc)[32], const uint16_t* ahead) {
+  switch (rows) {
+    case 1: block_rows<Micro, 1>(x, k, panels, stride, np, acc, ahead); break;
+    case 2: block_rows<Micro, 2>(x, k, panels, stride, np, acc, ahead); break;
+    case 3: block_rows<Micro, 3>(x, k, panels, stride, np, acc, ahead); break;
+    case 4: block_rows<Micro, 4>(x, k, panels, stride, np, acc, ahead); break;
+    case 5: block_rows<Micro, 5>(x, k, panels, stride, np, acc, ahead); break;
+    case 6: block_rows<Micro, 6>(x, k, panels, stride, np, acc, ahead); break;
+    case 7: block_rows<Micro, 7>(x, k, panels, stride, np, acc, ahead); break;
+    default: block_rows<Micro, 8>(x, k, panels, stride, np, acc, ahead); break;
+  }
 }
 
 // out[m, n] = x[m, k] @ W.T (+ bias), W packed as pair panels; out bf16 or float32.
+// Threads split the columns: each reads its panels once per chunk of kChunk rows, from
+// memory for the first block of rows, from L1 for the others (a block of two panels of
+// k = 576 is 36 KiB). Where a chunk is one block of rows (decode of up to 8 sequences), that
+// block asks for the next column block's panels (the thread's next, under a static
+// schedule), so that memory's latency hides behind it: 1.4x at 8 rows, measured on Zen 5;
+// with more blocks the prefetches cost more than they hid (0.75x at 2,000 rows).
 template <class Micro>
 int pair_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
                 const uint16_t* bias, void* out, int float_output, int threads) {
   if (m < 0 || k < 1 || n < 1) return 2;
   const int64_t stride = panel_stride(k), num_panels = (n + kPanel - 1) / kPanel;
-  const int64_t row_blocks = (m + kRows - 1) / kRows;
   const int64_t col_blocks = (num_panels + kPanels - 1) / kPanels;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+#pragma omp parallel num_threads(threads)
+  for (int64_t c0 = 0; c0 < m; c0 += kChunk) {
+    const int64_t chunk_end = std::min<int64_t>(m, c0 + kChunk);
+    const bool one_block = chunk_end - c0 <= kRows;
+#pragma omp for schedule(static)
     for (int64_t cb = 0; cb < col_blocks; ++cb) {
-      const int64_t r0 = rb * kRows, p0 = cb * kPanels;
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
+      const int64_t p0 = cb * kPanels;
       const int np = static_cast<int>(std::min<int64_t>(kPanels, num_panels - p0));
-      alignas(64) float acc[kRows][32] = {};
-      const uint16_t* xs = x + r0 * k;
       const uint16_t* ps = panels + p0 * stride;
-      switch (rows) {
-        case 1: block_rows<Micro, 1>(xs, k, ps, stride, np, acc); break;
-        case 2: block_rows<Micro, 2>(xs, k, ps, stride, np, acc); break;
-        case 3: block_rows<Micro, 3>(xs, k, ps, stride, np, acc); break;
-        default: block_rows<Micro, 4>(xs, k, ps, stride, np, acc); break;
-      }
-      const int64_t c0 = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, n - c0);
-      for (int r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float v = acc[r][c] + (bias ? to_float(bias[c0 + c]) : 0.0f);
-          const int64_t at = (r0 + r) * n + c0 + c;
-          if (float_output)
-            static_cast<float*>(out)[at] = v;
-          else
-            from_float(v, static_cast<uint16_t*>(out) + at);
+      const int64_t col = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, n - col);
+      for (int64_t r0 = c0; r0 < chunk_end; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, chunk_end - r0));
+        alignas(64) float acc[kRows][32] = {};
+        const bool ahead = one_block && cb + 1 < col_blocks;
+        block<Micro>(x + r0 * k, rows, k, ps, stride, np, acc, ahead ? ps + kPanels * stride : nullptr);
+        for (int r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const float v = acc[r][c] + (bias ? to_float(bias[col + c]) : 0.0f);
+            const int64_t at = (r0 + r) * n + col + c;
+            if (float_output)
+              static_cast<float*>(out)[at] = v;
+            else
+              from_float(v, static_cast<uint16_t*>(out) + at);
+          }
         }
       }
     }

@@ -4,11 +4,12 @@
 16 output rows side by side, each row's weights in pairs of consecutive inputs, which is
 what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h``).
 ``pair_panel_linear`` computes ``F.linear`` on it in one of two variants that share that
-layout and blocking (4 rows of ``x`` by 32 outputs, float32 sums, one rounding):
-``avx512_bf16`` (``pair_panels_avx512.cpp``, built with ``-mavx512f -mavx512bf16`` on any
-machine, run only where the CPU has those flags) and ``portable`` (``pair_panels.cpp``,
-plain float math in the same order, everywhere). Not yet what ``Gemm`` packs: its speed
-against oneDNN's packed products is to be measured on an AVX-512 BF16 machine first.
+layout and blocking (8 rows of ``x`` by 32 outputs, float32 sums, one rounding; threads split
+the outputs, 64 rows of ``x`` a pass over the weight): ``avx512_bf16``
+(``pair_panels_avx512.cpp``, built with ``-mavx512f -mavx512bf16`` on any machine, run only
+where the CPU has those flags) and ``portable`` (``pair_panels.cpp``, plain float math in the
+same order, everywhere: the same bits). ``Gemm`` packs bf16 weights this way where the
+AVX-512 BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
 """
 
 from __future__ import annotations

@@ -12,18 +12,25 @@ namespace {
 struct Avx512Bf16 {
   template <int R, int NP>
   static void run(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
-                  float (*acc)[32]) {
+                  float (*acc)[32], const uint16_t* ahead) {
     __m512 sums[R][NP];
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < NP; ++p) sums[r][p] = _mm512_setzero_ps();
-    const int64_t pairs = (k + 1) / 2;
+    const int64_t pairs = (k + 1) / 2, whole = k / 2;  // pairs, those without padding
     for (int64_t j = 0; j < pairs; ++j) {
       __m512bh w[NP];
-      for (int p = 0; p < NP; ++p)
-        w[p] = (__m512bh)_mm512_loadu_si512(panels + p * stride + j * 2 * tg_pairs::kPanel);
+      for (int p = 0; p < NP; ++p) {
+        const int64_t at = p * stride + j * 2 * tg_pairs::kPanel;  // 64 bytes: one line
+        w[p] = (__m512bh)_mm512_loadu_si512(panels + at);
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+      }
       for (int r = 0; r < R; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(
-            static_cast<int>(tg_pairs::x_pair(x + r * k, k, j)));
+        int32_t pair;
+        if (j < whole)
+          std::memcpy(&pair, x + r * k + 2 * j, sizeof pair);  // one broadcast load
+        else
+          pair = static_cast<int32_t>(tg_pairs::x_pair(x + r * k, k, j));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
         for (int p = 0; p < NP; ++p) sums[r][p] = _mm512_dpbf16_ps(sums[r][p], xv, w[p]);
       }
     }

@@ -3,9 +3,10 @@
 A layer qualifies when everything it does has a kernel: pre-norms only, no per-head q/k
 norm, a dense MLP with SiLU or GELU-tanh, bf16/fp16, one rank. The step qualifies when every
 row is a decode row attended by the paged kernel (``CausalLM.forward`` decides, per step).
-Where a layer's four products are packed into panels (bf16/fp16 on AVX2, or int8),
-consecutive such layers run in one call (``kernels.decode_layer.run_layers``). Where they are
-not (oneDNN's layout on AVX-512, or plain weights), the layer is *glued*: its products run
+Where a layer's four products are packed into panels (bf16/fp16 on AVX2, bf16 pair panels
+on AVX-512 BF16, or int8), consecutive such layers run in one call
+(``kernels.decode_layer.run_layers``). Where they are not (oneDNN's layout: fp16 on AVX-512,
+or ``TGENGINE_PAIR_PANELS=0``; plain weights), the layer is *glued*: its products run
 through ``Gemm.linear`` and everything between them in four compiled calls
 (``kernels.decode_layer.glue``), instead of the layer's forward (its Python made a tenth of
 a batch-1 step). Both give the layer-by-layer path's bits. Any other layer takes its forward.
@@ -129,7 +130,7 @@ def decode_call(layer: DecoderLayer, index: int, plan: int) -> DecodeLayerCall |
         return None
     packed = [w.packed for w in (attn.qkv, attn.o, ffn.gate_up, ffn.down)]
     panels = [p for p in packed if isinstance(p, Panels)]
-    if len(panels) != len(packed):
+    if len(panels) != len(packed) or len({p.pair_cols is None for p in panels}) != 1:
         return None
     return _call(layer, index, plan, panels)
 
@@ -189,6 +190,7 @@ def _call(
         layer=index,
         rope=attn.rope_index,
         plan=plan,
+        pairs=panels is not None and panels[0].pair_cols is not None,
     )
 
 

@@ -5,10 +5,13 @@ blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
 
 - **packed** (``Gemm.pack``, when ``prepack`` is on): the weight reordered once, and the
   parameters' own storage released (they keep their names, shapes and dtypes, over a
-  one-element placeholder). Where oneDNN packs this dtype on this CPU (float32 everywhere,
-  bf16/fp16 with AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout; bf16/fp16
-  elsewhere (AVX2), into tgengine's 16-row ``Panels`` for ``kernels.panel_linear``, which
-  widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
+  one-element placeholder). bf16 on a CPU with AVX-512 BF16: into *pair panels*
+  (``kernels.pair_panels``, ``vdpbf16ps``; on par with oneDNN's packed products from 8 rows
+  up, 1.2-1.7x them below, and they give rows back, so a tied head packs too and the decode
+  runs in one call). Otherwise, where oneDNN packs this dtype on this CPU (float32
+  everywhere, bf16/fp16 with AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout;
+  bf16/fp16 elsewhere (AVX2), into tgengine's 16-row ``Panels`` for ``kernels.panel_linear``,
+  which widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
   below). Every row count runs on it. ``Gemm.unpack`` gives the plain form back, exactly
   (``to_dense``), before anything writes into the parameters.
 - **int8 panels** (``Gemm.quantization == "int8"``, bf16/fp16 on CPU): weight-only
@@ -40,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from tgengine import kernels
+from tgengine.kernels import pair_panels
 from tgengine.models.fused import fused_rows
 from tgengine.models.step_timers import ForwardTimes
 
@@ -70,6 +74,13 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return True
 
 
+def can_pack_pairs(dtype: torch.dtype) -> bool:
+    """Whether bf16 weights pack as *pair panels* (``kernels.pair_panels``, ``vdpbf16ps``):
+    where the AVX-512 BF16 kernels run (``kernels.avx512_bf16()``; off, they take oneDNN's
+    layout, as before them)."""
+    return dtype == torch.bfloat16 and kernels.avx512_bf16()
+
+
 def can_pack_panels(dtype: torch.dtype) -> bool:
     """Whether ``Panels`` (tgengine's packed bf16/fp16 layout and kernel) apply on this CPU."""
     return dtype in _HALF and kernels.has_half_linear()
@@ -78,15 +89,20 @@ def can_pack_panels(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class Panels:
     """A bf16/fp16 weight of ``rows`` rows packed by ``kernels.pack_panels``, or (``scales``
-    set) quantized to int8 panels by ``kernels.quantize_panels`` from a ``dtype`` weight."""
+    set) quantized to int8 panels by ``kernels.quantize_panels`` from a ``dtype`` weight, or
+    (``pair_cols`` set) a bf16 weight of that many columns packed as pair panels
+    (``kernels.pair_panels``, AVX-512 BF16)."""
 
     data: torch.Tensor
     rows: int
     scales: torch.Tensor | None = None
     dtype: torch.dtype | None = None
+    pair_cols: int | None = None
 
     def to_dense(self) -> torch.Tensor:
         """The plain weight: exact for half-precision panels, dequantized for int8 ones."""
+        if self.pair_cols is not None:
+            return pair_panels.unpack_pair_panels(self.data, self.rows, self.pair_cols)
         if self.scales is None:
             return kernels.unpack_panels(self.data, self.rows)
         rows = torch.arange(self.rows)
@@ -94,6 +110,10 @@ class Panels:
 
     def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, ``[len(ids), k]`` (an embedding lookup)."""
+        if self.pair_cols is not None:
+            width = pair_panels.PANEL
+            pairs = self.data[ids // width, :, ids % width, :]  # [len, k / 2, 2]
+            return pairs.reshape(*ids.shape, -1)[..., : self.pair_cols]
         if self.scales is None:
             return self.data[ids // kernels.PANEL, :, ids % kernels.PANEL]
         return kernels.dequantize_rows(self.data, self.scales, ids).to(self.dtype)
@@ -101,6 +121,12 @@ class Panels:
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None, *, float_output: bool = False
     ) -> torch.Tensor:
+        if self.pair_cols is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            out = pair_panels.pair_panel_linear(
+                flat, self.data, self.rows, bias, float_output=float_output
+            )
+            return out.view(*x.shape[:-1], self.rows)
         return kernels.panel_linear(
             x, self.data, self.rows, bias, float_output=float_output, scales=self.scales
         )
@@ -223,12 +249,15 @@ class Gemm:
     ) -> str | None:
         """What ``pack`` makes of a ``dtype`` weight on ``device`` here: ``"int8"`` panels,
         half-precision ``"panels"`` (both tgengine's ``Panels``), oneDNN's layout
-        (``"onednn"``), or None (it stays plain). The one-call decode reads panels only
-        (``models.fused_decode``), so the tests that expect it ask this."""
+        (``"onednn"``), bf16 ``"pairs"`` (``Panels`` too; AVX-512 BF16), or None (it stays
+        plain). The one-call decode reads ``Panels`` only (``models.fused_decode``), so the
+        tests that expect it ask this."""
         if not self.prepack or torch.device(device).type != "cpu":
             return None
         if self.quantization == "int8":
             return "int8" if can_pack_panels(dtype) else None
+        if can_pack_pairs(dtype):
+            return "pairs"
         if can_prepack(dtype) and not rows_read:
             return "onednn"
         return "panels" if can_pack_panels(dtype) else None
@@ -255,6 +284,9 @@ class Gemm:
                 packed = Panels(data, int(plain.shape[0]), scales, plain.dtype)
             elif form == "onednn":
                 packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+            elif form == "pairs":
+                data = pair_panels.pack_pair_panels(plain)
+                packed = Panels(data, int(plain.shape[0]), pair_cols=int(plain.shape[1]))
             else:
                 packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))
             del plain

@@ -1,0 +1,30 @@
+"""Switching the AVX-512 BF16 kernels for one test, and skipping where the CPU lacks them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from tgengine import kernels
+from tgengine.kernels.isa import isa
+from tgengine.kernels.pair_panels import pair_panel_variants
+
+
+def require_avx512_bf16() -> None:
+    if "avx512_bf16" not in pair_panel_variants():
+        pytest.skip(f"the AVX-512 BF16 kernels need a CPU with avx512_bf16 (this one: {isa()})")
+
+
+@contextlib.contextmanager
+def avx512_bf16(on: bool) -> Iterator[None]:
+    """The AVX-512 BF16 kernels on (skips where the CPU has none) or off, then as before."""
+    if on:
+        require_avx512_bf16()
+    before = kernels.avx512_bf16()
+    kernels.set_avx512_bf16(on)
+    try:
+        yield
+    finally:
+        kernels.set_avx512_bf16(before)
