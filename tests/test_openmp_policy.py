@@ -54,3 +54,37 @@ def test_peers_get_the_environment_without_tgengines_spin(
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")  # the user's own: passed on
     assert not openmp_policy.shorten_openmp_spin()
     assert openmp_policy.user_environ()["GOMP_SPINCOUNT"] == "7"
+
+
+def _release_in_a_fresh_process(release: bool) -> list[int]:
+    """Threads of a fresh process: before a 2-thread product, after it, and after releasing
+    (or not) the calling thread's OpenMP team."""
+    code = f"""
+import os, torch
+from tgengine.runtime.openmp_policy import release_openmp_threads
+count = lambda: len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+counts = [count()]
+a = torch.randn(256, 256)
+for _ in range(20):
+    a @ a
+counts.append(count())
+assert release_openmp_threads() if {release} else True
+counts.append(count())
+print(*counts)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [int(n) for n in result.stdout.split()]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team")
+def test_releasing_lets_the_calling_threads_openmp_team_go() -> None:
+    before, during, after = _release_in_a_fresh_process(release=True)
+    assert during > before, "the product started a team of OpenMP threads"
+    assert after < during, "released"
+    kept = _release_in_a_fresh_process(release=False)
+    assert kept[2] == kept[1], "without the release the team stays"

@@ -38,6 +38,7 @@ from ..runtime.parallel import ParallelContext, local_cuda
 from ..sample.logits_processors import default_processors
 from ..sample.sampler import Sampler
 from ..sample.step_sampler import sample_step
+from .compute_thread import ComputeThread
 from .cpu_threads import available_cores, default_thread_count
 from .inputs import prepare_inputs
 from .staged_weights import apply_staged, merge_staged, rebuild_from_staged
@@ -115,6 +116,7 @@ class ModelAgent:
         self._idle = threading.Event()
         self._idle.set()
         self._limiter: anyio.CapacityLimiter | None = None
+        self._compute = ComputeThread()  # every call's torch work, on one OS thread
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[AgentInfo] = anyio.TASK_STATUS_IGNORED
@@ -144,6 +146,11 @@ class ModelAgent:
                     await anyio.to_thread.run_sync(self._release_all, limiter=limiter)
                 except Exception:  # never hide the error that brought us here
                     log.exception("releasing model memory failed")
+                finally:
+                    # Idle: the compute thread ends at once (wait for it); wedged: let it be.
+                    await anyio.to_thread.run_sync(
+                        self._compute.close, CLEANUP_TIMEOUT if idle else 0.0
+                    )
 
     async def execute(self, batch: StepBatch) -> StepResult:
         """Run one forward step and sample.
@@ -200,7 +207,7 @@ class ModelAgent:
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any, abandon: bool = False) -> T:
         return await anyio.to_thread.run_sync(
-            fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
+            self._compute.call, fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
         )
 
     def prepare(self) -> None:
@@ -208,8 +215,12 @@ class ModelAgent:
 
         ``run`` does this first if nobody did. The engine calls it before anything else
         runs beside the agent: the thread count is measured (``cpu_threads``), and work on
-        another core would bias the measurement towards one thread.
+        another core would bias the measurement towards one thread. Runs on the compute
+        thread, where every forward runs (torch's thread count is a setting of that thread).
         """
+        self._compute.call(self._prepare)
+
+    def _prepare(self) -> None:
         if self._prepared is not None:
             return
         cfg = self.config

@@ -20,6 +20,7 @@ import torch
 
 from ..agent.cpu_threads import fastest_thread_count
 from ..models import ModelConfig
+from ..runtime.openmp_policy import release_openmp_threads
 from .workload import BenchRequest
 
 # Sustained, not burst: a shared or throttled machine shows its real rate only after a while.
@@ -61,6 +62,8 @@ def _rate(fn: Callable[[], object], work: float, device: torch.device, seconds: 
             _sync(device)
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
+                # This thread runs no forward: its OpenMP team would slow the engine's.
+                release_openmp_threads()
                 return work * count / elapsed
 
 
@@ -159,7 +162,10 @@ def pick_threads(requested: str | int | None, dtype: torch.dtype) -> tuple[int, 
     """
     if requested not in (None, "auto"):
         return int(requested), {}
-    return fastest_thread_count(dtype, 0.5)
+    try:
+        return fastest_thread_count(dtype, 0.5)
+    finally:
+        release_openmp_threads()  # as measure_machine
 
 
 @dataclass(frozen=True)

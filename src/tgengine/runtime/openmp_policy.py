@@ -1,5 +1,6 @@
-"""How long OpenMP's threads spin at a barrier before they sleep, for the processes that
-import tgengine before torch: ``GOMP_SPINCOUNT`` 10,000 (libgomp's default: 300,000).
+"""OpenMP's threads: how long they spin at a barrier before they sleep, for the processes that
+import tgengine before torch (``GOMP_SPINCOUNT`` 10,000; libgomp's default: 300,000), and
+letting go of a thread's team (``release_openmp_threads``).
 
 A decode step of one sequence at 2 threads meets ~150 barriers per token. On a quiet machine
 a thread must not sleep at them (OpenMP's ``PASSIVE`` policy: 38 tokens/s instead of 70 on
@@ -16,8 +17,10 @@ is imported first; ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` already set are lef
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from pathlib import Path
 
 SPIN_COUNT = "10000"
 _set_here = False
@@ -43,3 +46,44 @@ def user_environ() -> dict[str, str]:
     if _set_here and env.get("GOMP_SPINCOUNT") == SPIN_COUNT:
         del env["GOMP_SPINCOUNT"]
     return env
+
+
+def release_openmp_threads() -> bool:
+    """Let the OpenMP threads that this thread's parallel regions started go (libgomp's
+    ``omp_pause_resource_all(omp_pause_hard)``); False where no libgomp is loaded.
+
+    libgomp keeps a team of threads per thread that ever started a parallel region. Once it
+    manages more threads than there are cores, every barrier spins only a few hundred rounds
+    before it sleeps: measured on the 2-core machine of docs/benchmarks.md (avx512_bf16), a
+    two-thread product of one row took 94 us from a second thread, 34 from the first, and a
+    one-sequence decode step 16 ms instead of 7.4. So the engine runs all its torch work on
+    one thread (``agent.compute_thread``), and a thread that ran some elsewhere (a GEMM rate
+    probe) lets its team go with this. The next parallel region there starts a new team.
+    """
+    lib = _libgomp()
+    return lib is not None and lib.omp_pause_resource_all(2) == 0  # 2: omp_pause_hard
+
+
+_found: list[ctypes.CDLL] = []
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process loaded (torch's own copy, whatever its file is called)."""
+    if _found:
+        return _found[0]
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line.split()[-1]}
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all"):
+            lib.omp_pause_resource_all.restype = ctypes.c_int
+            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            _found.append(lib)
+            return lib
+    return None
