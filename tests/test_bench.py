@@ -289,3 +289,38 @@ def test_weights(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFix
     # each way ran once (quick): dir, tensors, parts, and asleep (its update, no disk read)
     assert result["weight_version"] == 4
     assert "of memcpy" in (tmp_path / "weights.txt").read_text()
+
+
+def test_threads_compares_the_default_count_with_fixed_ones_over_fresh_starts(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tgengine.bench.threads import summarize
+
+    from process_helpers import child_pids
+
+    before = child_pids()
+    result = run_bench("threads", tiny_llama_dir, tmp_path, "--fixed", "1", capsys=capsys)
+    assert child_pids() == before
+    rows = result["rows"]
+    # quick: 2 default starts and 1 at the fixed count, interleaved, each a fresh process
+    assert [(r["mode"], r["start"]) for r in rows] == [("default", 1), ("fixed", 2), ("default", 3)]
+    assert rows[1]["threads"] == 1
+    assert all(r["threads"] >= 1 and r["out_tok_s"] > 0 and r["tokens"] > 0 for r in rows)
+    assert len({r["tokens"] for r in rows}) == 1, "every start serves the same workload"
+    summary = result["summary"]
+    assert summary["best_fixed"] == 1 and summary["default_counts"] == [
+        rows[0]["threads"],
+        rows[2]["threads"],
+    ]
+    # The comparison itself, on made-up rows: one default start 10 % under the best median.
+    made = [
+        {"mode": "fixed", "threads": 1, "out_tok_s": 100.0},
+        {"mode": "fixed", "threads": 2, "out_tok_s": 200.0},
+        {"mode": "fixed", "threads": 2, "out_tok_s": 220.0},
+        {"mode": "default", "threads": 2, "out_tok_s": 210.0},
+        {"mode": "default", "threads": 1, "out_tok_s": 189.0},
+    ]
+    s = summarize(made)
+    assert s["best_fixed"] == 2 and s["fixed_medians"] == {1: 100.0, 2: 210.0}
+    assert s["default_min_ratio"] == pytest.approx(0.9)
+    assert s["default_starts_slower_than_bound"] == 1

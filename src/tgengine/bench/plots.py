@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import step_split, weights_report
+from . import step_split, threads, weights_report
 from .tables import best_peer_ratios, isa_suffix
 
 _MIB = 1024**2
@@ -118,6 +118,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         step_split.plot(result, axes)
     elif kind == "weights":
         weights_report.draw(axes, result)
+    elif kind == "threads":
+        threads.draw(axes, result)
     elif kind == "startup":
         runs = [str(r["run"]) for r in result["rows"]]
         axes[0].bar(runs, [r["first_byte_s"] for r in result["rows"]], color="tab:blue")

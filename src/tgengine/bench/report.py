@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import step_split, weights_report
+from . import step_split, threads, weights_report
 from .control_plane import render as control_plane_lines
 from .plots import plot
 from .tables import isa_suffix, table
@@ -330,6 +330,7 @@ _RENDERERS = {
     "memory": _memory,
     "startup": _startup,
     "weights": weights_report.render,
+    "threads": threads.render,
 }
 
 

@@ -17,57 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TGEngineError
+from .bench_types import (
+    SYSTEMS,
+    at_least_one,
+    int_list,
+    peer_spec,
+    peer_thread_counts,
+    system_list,
+    thread_count,
+)
 from .common import fail, resolve_model
-
-_SYSTEMS = "tgengine,hf_generate,hf_generate_batch"
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from exc
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _systems(text: str) -> tuple[str, ...]:
-    known = _SYSTEMS.split(",")
-    values = tuple(v.strip() for v in text.split(",") if v.strip())
-    unknown = [v for v in values if v not in known]
-    if unknown or not values:
-        raise argparse.ArgumentTypeError(f"systems: choose from {_SYSTEMS}, got {text!r}")
-    return values
-
-
-def _threads(text: str) -> str | int:
-    if text == "auto":
-        return text
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("threads: must be 'auto' or a positive integer")
-    return value
-
-
-def _peer(text: str) -> Any:
-    from ..bench.peers import PeerSpecError, parse_peer
-
-    try:
-        return parse_peer(text)
-    except PeerSpecError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _peer_threads(text: str) -> Any:
-    from ..bench.peers import PeerSpecError, parse_threads
-
-    try:
-        return parse_threads(text)
-    except PeerSpecError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _peer_options(parser: argparse.ArgumentParser, *, memory: bool = False) -> None:
@@ -76,7 +35,7 @@ def _peer_options(parser: argparse.ArgumentParser, *, memory: bool = False) -> N
     if not memory:
         parser.add_argument(
             "--tgengine-threads",
-            type=_ints,
+            type=int_list,
             default=(),
             metavar="N,N",
             help="run tgengine once per thread count (rows 'tgengine t=N'); its best run is "
@@ -87,7 +46,7 @@ def _peer_options(parser: argparse.ArgumentParser, *, memory: bool = False) -> N
     )
     group.add_argument(
         "--peer",
-        type=_peer,
+        type=peer_spec,
         action="append",
         default=[],
         metavar="KIND=PATH",
@@ -98,7 +57,7 @@ def _peer_options(parser: argparse.ArgumentParser, *, memory: bool = False) -> N
         group.add_argument("--peer-gguf", metavar="FILE", help="the GGUF llama.cpp serves")
     group.add_argument(
         "--peer-threads",
-        type=_peer_threads,
+        type=peer_thread_counts,
         default=None if memory else (1, 2),
         metavar="N,N",
         help="thread counts every peer runs at ('default': its own)"
@@ -145,7 +104,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=_threads,
+        type=thread_count,
         default="auto",
         help="CPU threads for every system; auto = the fastest for a GEMM here "
         "(default: %(default)s)",
@@ -207,20 +166,20 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default: 1; quick: 0.05)",
     )
     p.add_argument(
-        "--batch-sizes", type=_ints, help="static generate batch sizes (default: 8,16,32)"
+        "--batch-sizes", type=int_list, help="static generate batch sizes (default: 8,16,32)"
     )
-    p.add_argument("--systems", type=_systems, default=_SYSTEMS, help="default: %(default)s")
+    p.add_argument("--systems", type=system_list, default=SYSTEMS, help="default: %(default)s")
     _peer_options(p)
     p.set_defaults(handler=run, runner=_throughput)
 
     p = benches.add_parser("latency", help="single-stream TTFT and decode rate; N streams")
     _common(p)
-    p.add_argument("--prompt-lens", type=_ints, help="default: 16,256,1024")
+    p.add_argument("--prompt-lens", type=int_list, help="default: 16,256,1024")
     p.add_argument("--max-tokens", type=int, help="tokens per stream (default: 64)")
-    p.add_argument("--concurrency", type=int, help="concurrent streams (default: 8)")
+    p.add_argument("--concurrency", type=at_least_one, help="concurrent streams (default: 8)")
     p.add_argument("--repeats", type=int, help="single-stream runs; the median counts (default: 3)")
     p.add_argument(
-        "--systems", type=_systems, default="tgengine,hf_generate", help="default: %(default)s"
+        "--systems", type=system_list, default="tgengine,hf_generate", help="default: %(default)s"
     )
     _peer_options(p)
     p.set_defaults(handler=run, runner=_latency)
@@ -241,6 +200,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from ..bench.weights import add_parser as add_weights  # its options, and _common's
 
     add_weights(benches, _common, run)
+    from ..bench.threads import add_parser as add_threads
+
+    add_threads(benches, _common, run)
 
     p = benches.add_parser("parity", help="greedy tokens vs transformers generate (any device)")
     _common(p)
@@ -257,7 +219,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt-len", type=int, help="default: 64")
     p.add_argument("--max-tokens", type=int, help="default: 64")
     p.add_argument(
-        "--systems", type=_systems, default="tgengine,hf_generate", help="default: %(default)s"
+        "--systems", type=system_list, default="tgengine,hf_generate", help="default: %(default)s"
     )
     p.set_defaults(handler=run, runner=_batch32)
 
@@ -283,7 +245,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _common(p)
     p.add_argument("--num-seqs", type=int, help="requests at once (default: 32; quick: 4)")
     p.add_argument(
-        "--prompt-lens", type=_ints, help="prompt lengths lo,hi (default: 300,430; quick: 8,24)"
+        "--prompt-lens", type=int_list, help="prompt lengths lo,hi (default: 300,430; quick: 8,24)"
     )
     p.add_argument("--max-tokens", type=int, help="tokens each (default: 32; quick: 6)")
     p.add_argument(
