@@ -29,3 +29,12 @@ def test_one_core_needs_no_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_threads.default_thread_count(torch.bfloat16) == 1
     finally:
         cpu_threads.default_thread_count.cache_clear()
+
+
+def test_one_stalled_round_does_not_decide_the_count() -> None:
+    # Two threads twice as fast in four rounds of five, one round stalled (a neighbour, the
+    # hypervisor): the median keeps two; the worst round would have picked one.
+    rounds = {"1": [100.0, 101.0, 99.0, 100.0, 100.0], "2": [190.0, 40.0, 200.0, 195.0, 188.0]}
+    best, rates = cpu_threads.pick_count(rounds)
+    assert best == 2 and rates == {"1": 100.0, "2": 190.0}
+    assert cpu_threads.pick_count({"1": [100.0] * 5, "2": [90.0] * 5})[0] == 1
