@@ -43,6 +43,18 @@ class OutputStream(Protocol):
     async def __aexit__(self, *exc_info: Any) -> None: ...
 
 
+class PartsUpdate(Protocol):
+    """An update in parts (``weight_update()``): ``async with`` it, ``push`` each part."""
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc_info: Any) -> None: ...
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    async def push_file(self, path: str | Path) -> None: ...
+
+
 class EngineClient(Protocol):
     """What ``Engine`` offers its users; DESIGN.md §2 gives the semantics."""
 
@@ -71,13 +83,22 @@ class EngineClient(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None: ...
+    async def sleep(
+        self, level: int = 1, mode: Literal["abort", "drain", "keep"] = "abort"
+    ) -> None: ...
 
     async def wakeup(self, tags: Iterable[str] = MEMORY_TAGS) -> None: ...
 
     async def update_weights(
-        self, source: str | Path | Iterable[tuple[str, torch.Tensor]]
+        self,
+        source: str | Path | Iterable[tuple[str, torch.Tensor]],
+        *,
+        kept_kv: Literal["recompute", "reuse"] = "recompute",
     ) -> None: ...
+
+    def weight_update(
+        self, *, kept_kv: Literal["recompute", "reuse"] = "recompute"
+    ) -> PartsUpdate: ...
 
     def stats(self) -> EngineStats: ...
 

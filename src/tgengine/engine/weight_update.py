@@ -18,6 +18,7 @@ import torch
 
 from ..agent.weight_checks import WeightSpecs, check_finite, check_named
 from ..errors import IllegalStateError, InvalidRequestError
+from ..ipc.weights_file import map_weights
 from ..models import iter_safetensors
 
 KeptKV = Literal["recompute", "reuse"]
@@ -43,6 +44,15 @@ class UpdateSlot:
 def read_dir(path: str) -> Named:
     """Every tensor of a directory of safetensors (blocking)."""
     return list(iter_safetensors(path))
+
+
+def map_part(path: str) -> Named:
+    """The tensors of a pushed safetensors file, mapped (blocking); ``InvalidRequestError``
+    for a file that is not one."""
+    try:
+        return map_weights(path)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError("weights", f"not a safetensors file: {exc}") from exc
 
 
 class _Phase(enum.Enum):
@@ -132,6 +142,13 @@ class WeightUpdate:
         Raises ``InvalidRequestError`` naming the first tensor that does not fit; then
         nothing of this part is staged (earlier parts stay). Cancelling it stages nothing.
         """
+        await self._stage(named, copy=True)
+
+    async def push_file(self, path: str | Path) -> None:
+        """Check and stage the tensors of one safetensors file, as ``push`` does; they are
+        read from a mapping of the file, so it may be removed once this returns. A file
+        that is not safetensors raises ``InvalidRequestError``."""
+        named = await anyio.to_thread.run_sync(map_part, str(path))
         await self._stage(named, copy=True)
 
     async def push_source(

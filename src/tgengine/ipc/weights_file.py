@@ -1,49 +1,143 @@
-"""Weights for the engine process: written once to a safetensors file it reads back.
+"""Weights for another process: written once to a safetensors file it maps back.
 
 A pickle per tensor would copy every tensor through the socket; a safetensors file in
 ``/dev/shm`` (memory, where it exists) is one sequential write here and a memory-mapped
-read there.
+read there. The writer streams each tensor's bytes from its own memory (safetensors'
+``save_file`` first builds a ``bytes`` copy of every tensor: twice the part at its peak),
+and ``map_weights`` gives tensors that are views of the mapped file, so a reader copies
+only what it keeps (a rank of the ``mp`` executor: its shard).
 """
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from ..models.safetensors_reader import stored_tensors
 
 SHARED_MEMORY = Path("/dev/shm")
+FILE_NAME = "model.safetensors"
+_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_WRITE_BYTES = 64 * 1024 * 1024  # one write() at most (a larger one may be split anyway)
+
+
+def new_weights_dir() -> Path:
+    """A new, empty directory in shared memory (a temporary one where there is none)."""
+    parent = SHARED_MEMORY if SHARED_MEMORY.is_dir() else None
+    return Path(tempfile.mkdtemp(prefix="tgengine-weights-", dir=parent))
 
 
 def write_weights_dir(named: Iterable[tuple[str, torch.Tensor]]) -> Path:
     """A new directory holding ``model.safetensors`` with every ``(name, tensor)``.
 
-    The caller removes it (``remove_weights_dir``). Tensors that share storage are
-    copied, as safetensors requires.
+    Blocking. The caller removes it (``remove_weights_dir``). A tensor on another device
+    is copied to the CPU first; one on the CPU is written from its own memory.
     """
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in named:
-        tensor = tensor.detach().to("cpu").contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in seen:
-            tensor = tensor.clone()
-        seen.add(pointer)
-        tensors[name] = tensor
-    parent = SHARED_MEMORY if SHARED_MEMORY.is_dir() else None
-    path = Path(tempfile.mkdtemp(prefix="tgengine-weights-", dir=parent))
+    path = new_weights_dir()
     try:
-        save_file(tensors, str(path / "model.safetensors"))
+        write_weights_file(named, path / FILE_NAME)
     except BaseException:
         remove_weights_dir(path)
         raise
     return path
+
+
+def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) -> int:
+    """Write ``named`` as one safetensors file; returns its size in bytes (blocking)."""
+    given = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named]
+    # the widest elements first: every tensor's data then starts aligned to its dtype
+    given.sort(key=lambda item: -item[1].element_size())
+    tensors: list[tuple[str, torch.Tensor]] = []
+    header: dict[str, object] = {}
+    offset = 0
+    for name, tensor in given:
+        if tensor.dtype not in _CODES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors code")
+        if name in header:
+            raise ValueError(f"{name}: given twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        tensors.append((name, tensor))
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb", buffering=0) as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for _, tensor in tensors:
+            _write_all(f.fileno(), _bytes_of(tensor))
+    return 8 + len(encoded) + offset
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    array = tensor.view(-1).view(torch.uint8).numpy()
+    return memoryview(array.data).cast("B")
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done : done + _WRITE_BYTES])
+
+
+def map_weights(path: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file (or of a directory's ``model.safetensors``), as
+    views of the file mapped copy-on-write: nothing is read until a tensor is used, and
+    the pages stay the file's. Blocking. Raises ``ValueError`` for a file that is not
+    safetensors or whose data does not match its header; ``OSError`` for one that is gone.
+
+    The mapping lives as long as any of the tensors; the file may be removed at once.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / FILE_NAME
+    try:
+        stored = list(stored_tensors(file))
+    except (KeyError, TypeError, AttributeError, struct.error) as exc:
+        raise ValueError(f"not a safetensors header: {type(exc).__name__}: {exc}") from exc
+    if not stored:
+        return []
+    with open(file, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    named: list[tuple[str, torch.Tensor]] = []
+    for t in stored:
+        element = torch.empty((), dtype=t.dtype).element_size()
+        if t.end - t.begin != t.shape.numel() * element:
+            raise ValueError(f"{t.name}: {t.end - t.begin} bytes for shape {tuple(t.shape)}")
+        if t.begin == t.end:
+            named.append((t.name, torch.empty(t.shape, dtype=t.dtype)))
+            continue
+        if t.begin % element:  # another writer's file: this one's bytes copied, aligned
+            raw = torch.frombuffer(mapped, dtype=torch.uint8, offset=t.begin, count=t.end - t.begin)
+            flat = raw.clone().view(t.dtype)
+        else:
+            flat = torch.frombuffer(mapped, dtype=t.dtype, offset=t.begin, count=t.shape.numel())
+        named.append((t.name, flat.view(t.shape)))
+    return named
 
 
 def remove_weights_dir(path: Path) -> None:

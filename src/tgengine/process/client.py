@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,6 +21,7 @@ import anyio.abc
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
 from ..engine.request_stats import EngineObserver
+from ..engine.weight_update import KeptKV
 from ..errors import (
     EngineDeadError,
     EngineProcessExited,
@@ -58,6 +60,7 @@ from .messages import (
 )
 from .remote_requests import RemoteRequests
 from .remote_stream import RemoteStream
+from .remote_update import RemoteWeightUpdate
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +106,7 @@ class ProcessEngine:
         self._send = self._connection.send
         self._requests = RemoteRequests(self._send)
         self._calls = CallTracker()  # control calls awaiting the engine process's reply
+        self._update_ids = itertools.count(1)
         self._started = anyio.Event()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -269,7 +273,9 @@ class ProcessEngine:
         """As ``Engine.resume``, in the engine process."""
         await self._call("resume", Resume())
 
-    async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
+    async def sleep(
+        self, level: int = 1, mode: Literal["abort", "drain", "keep"] = "abort"
+    ) -> None:
         """As ``Engine.sleep``: returns once the engine process has released the memory."""
         await self._call("sleep", Sleep(level, mode))
 
@@ -277,18 +283,28 @@ class ProcessEngine:
         """As ``Engine.wakeup``, in the engine process."""
         await self._call("wake up", Wakeup((tags,) if isinstance(tags, str) else tuple(tags)))
 
-    async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(
+        self,
+        source: str | Path | Iterable[tuple[str, torch.Tensor]],
+        *,
+        kept_kv: KeptKV = "recompute",
+    ) -> None:
         """As ``Engine.update_weights``. Tensors travel as one safetensors file (in
         ``/dev/shm`` where it exists), written in a thread and removed afterwards."""
         if isinstance(source, (str, Path)):
-            await self._call("update weights", UpdateWeights(str(source)))
+            await self._call("update weights", UpdateWeights(str(source), kept_kv))
             return
         named = list(source)
         path = await anyio.to_thread.run_sync(write_weights_dir, named)
         try:
-            await self._call("update weights", UpdateWeights(str(path)))
+            await self._call("update weights", UpdateWeights(str(path), kept_kv))
         finally:
             remove_weights_dir(path)
+
+    def weight_update(self, *, kept_kv: KeptKV = "recompute") -> RemoteWeightUpdate:
+        """As ``Engine.weight_update()``: an update in parts, each written to shared memory
+        and pushed by the engine process into its own ``weight_update()``."""
+        return RemoteWeightUpdate(self._call, next(self._update_ids), kept_kv)
 
     async def _call(self, action: str, command: ControlCommand) -> None:
         """Send ``command`` and wait for its reply; raise the error it carries. ``action``

@@ -25,6 +25,7 @@ from ..ipc.orphan import ParentWatch
 from ..ipc.portable import portable
 from ..ipc.wire import Channel
 from ..runtime.task_status import StartedOnce
+from .hosted_update import HostedUpdates
 from .messages import (
     Abort,
     ControlCommand,
@@ -41,6 +42,10 @@ from .messages import (
     Snapshot,
     StepFinished,
     Stop,
+    UpdateAbort,
+    UpdateBegin,
+    UpdateCommit,
+    UpdatePart,
     UpdateWeights,
     Wakeup,
 )
@@ -64,6 +69,7 @@ class EngineHost:
         self._cause: BaseException | None = None
         self._memory: dict[str, MemoryStats] | None = None
         self._memory_time = 0.0
+        self._updates = HostedUpdates(engine)  # the parent's weight_update(), if one is open
         engine.observers.append(self)  # the parent's observers hear what this engine does
 
     def request_finished(self, stats: RequestStats) -> None:
@@ -85,6 +91,8 @@ class EngineHost:
                             self._send(Ready(model, self.engine.max_model_len, os.getpid()))
                             control.start_soon(self._read_loop, forwarders, control)
             finally:
+                with anyio.CancelScope(shield=True):
+                    await self._updates.close()  # an update left open applies nothing
                 self._send(Final(portable(self._cause) if self._cause else None))
                 self._outbox.close()
         return self._cause
@@ -157,8 +165,10 @@ class EngineHost:
                 await engine.sleep(level, mode)
             case Wakeup(tags):
                 await engine.wakeup(tags)
-            case UpdateWeights(source):
-                await engine.update_weights(source)
+            case UpdateWeights(source, kept_kv):
+                await engine.update_weights(source, kept_kv=kept_kv)
+            case UpdateBegin() | UpdatePart() | UpdateCommit() | UpdateAbort():
+                await self._updates.handle(command)
             case _:
                 raise TypeError(f"not a control command: {type(command).__name__}")
 

@@ -2,9 +2,10 @@
 
 Parent → engine: ``Setup`` (first, once), ``Generate``, ``Abort``, ``Stop``, and control
 calls: an ``ipc.calls.Request`` holding one of ``Pause``, ``Resume``, ``Sleep``, ``Wakeup``,
-``UpdateWeights`` (``ControlCommand``). Engine → parent: frames, each a list of ``Ready``,
-``Output``, ``Refused``, ``ipc.calls.Reply``, ``RequestFinished``, ``StepFinished`` or
-``Final`` messages and the ``Snapshot`` taken as the frame was sent.
+``UpdateWeights``, or an update in parts: ``UpdateBegin``, ``UpdatePart``s, then
+``UpdateCommit`` or ``UpdateAbort`` (``ControlCommand``). Engine → parent: frames, each a
+list of ``Ready``, ``Output``, ``Refused``, ``ipc.calls.Reply``, ``RequestFinished``,
+``StepFinished`` or ``Final`` messages and the ``Snapshot`` taken as the frame was sent.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Resume:
 @dataclass(frozen=True)
 class Sleep:
     level: int
-    mode: Literal["abort", "drain"]
+    mode: Literal["abort", "drain", "keep"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,52 @@ class UpdateWeights:
     """A directory of safetensors (the parent writes tensors to one in ``/dev/shm``)."""
 
     source: str
+    kept_kv: Literal["recompute", "reuse"] = "recompute"
 
 
-ControlCommand = Pause | Resume | Sleep | Wakeup | UpdateWeights
+@dataclass(frozen=True)
+class UpdateBegin:
+    """Open ``Engine.weight_update(kept_kv=...)`` in the engine process, as update ``update_id``
+    (the parent's count: a late message of an earlier update is refused)."""
+
+    update_id: int
+    kept_kv: Literal["recompute", "reuse"] = "recompute"
+
+
+@dataclass(frozen=True)
+class UpdatePart:
+    """Push the tensors of the safetensors file at ``path`` (in ``/dev/shm``; the sender
+    removes it once answered) into the open update."""
+
+    update_id: int
+    path: str
+
+
+@dataclass(frozen=True)
+class UpdateCommit:
+    """Leave the update's block cleanly: everything pushed applies at once."""
+
+    update_id: int
+
+
+@dataclass(frozen=True)
+class UpdateAbort:
+    """Leave the update's block with an error: nothing applies."""
+
+    update_id: int
+
+
+ControlCommand = (
+    Pause
+    | Resume
+    | Sleep
+    | Wakeup
+    | UpdateWeights
+    | UpdateBegin
+    | UpdatePart
+    | UpdateCommit
+    | UpdateAbort
+)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import anyio.abc
 
 from ..agent.agent import MemoryStats
 from ..config import EngineConfig
-from ..engine.client import EngineClient, OutputStream
+from ..engine.client import EngineClient, OutputStream, PartsUpdate
 from ..engine.request_stats import EngineObserver
+from ..engine.weight_update import KeptKV
 from ..errors import EngineDeadError
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
@@ -182,14 +183,25 @@ class EngineSupervisor:
     async def resume(self) -> None:
         await self._serving("resume").resume()
 
-    async def sleep(self, level: int = 1, mode: Literal["abort", "drain"] = "abort") -> None:
+    async def sleep(
+        self, level: int = 1, mode: Literal["abort", "drain", "keep"] = "abort"
+    ) -> None:
         await self._serving("sleep").sleep(level, mode)
 
     async def wakeup(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
         await self._serving("wake up").wakeup(tags)
 
-    async def update_weights(self, source: str | Path | Iterable[tuple[str, torch.Tensor]]) -> None:
-        await self._serving("update weights").update_weights(source)
+    async def update_weights(
+        self,
+        source: str | Path | Iterable[tuple[str, torch.Tensor]],
+        *,
+        kept_kv: KeptKV = "recompute",
+    ) -> None:
+        await self._serving("update weights").update_weights(source, kept_kv=kept_kv)
+
+    def weight_update(self, *, kept_kv: KeptKV = "recompute") -> PartsUpdate:
+        """The serving engine's ``weight_update()`` (an engine that dies takes it along)."""
+        return self._serving("update weights").weight_update(kept_kv=kept_kv)
 
     @property
     def pid(self) -> int | None:
