@@ -3,9 +3,10 @@
 Each worker (``mp_worker``) runs one rank's ``ModelAgent`` under the agent's own
 ``run()``. A step is pickled once and the same bytes go to every rank over its socket;
 rank 0's reply carries the sampled tokens. Weights for ``update_weights`` travel as one
-safetensors file in ``/dev/shm``. A rank that dies, or raises, is a fault: the pending
-call fails at once with a ``WorkerError`` that names the rank (the engine dies of it), and
-``run()`` raises it when no call was pending.
+safetensors file in ``/dev/shm``, which each rank maps and copies only its shard from.
+A rank that dies, or raises, is a fault: the pending call fails at once with a
+``WorkerError`` that names the rank (the engine dies of it), and ``run()`` raises it when
+no call was pending.
 """
 
 from __future__ import annotations

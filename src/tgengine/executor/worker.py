@@ -18,7 +18,8 @@ import torch
 from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
-from ..models import ModelConfig, iter_safetensors
+from ..ipc.weights_file import map_weights
+from ..models import ModelConfig
 from ..runtime.parallel import ParallelContext, destroy_distributed, init_distributed
 from .base import AgentFactory
 
@@ -167,17 +168,17 @@ class RankWorker:
         return {f"rank{self.spec.rank}:{device}": s for device, s in stats.items()}
 
     async def _named(self, source: WeightsSource) -> list[tuple[str, torch.Tensor]]:
-        """The tensors of ``source``; a directory is read once for the check and the update."""
+        """The tensors of ``source``; a directory is mapped once for the check and the update.
+
+        Mapped, not read: the tensors are views of the shared file, so the check reads no
+        data and the update copies only this rank's shard of each into its parameters.
+        """
         if not isinstance(source, str):
             return source
         if self._weights is None or self._weights[0] != source:
-            named = await anyio.to_thread.run_sync(_read_dir, source)
+            named = await anyio.to_thread.run_sync(map_weights, source)
             self._weights = (source, named)
         return self._weights[1]
-
-
-def _read_dir(path: str) -> list[tuple[str, torch.Tensor]]:
-    return list(iter_safetensors(path))
 
 
 def _device_type(device: str) -> str:
