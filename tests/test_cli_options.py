@@ -56,6 +56,8 @@ SERVE_OPTIONS = {
     ("--api-key", "k1"): ("server", "api_key", "k1"),
     ("--admin-key", "k2"): ("server", "admin_key", "k2"),
     ("--max-body-bytes", "1000"): ("server", "max_body_bytes", 1000),
+    ("--max-weight-part-bytes", "1000"): ("server", "max_weight_part_bytes", 1000),
+    ("--weight-update-timeout", "2.5"): ("server", "weight_update_timeout", 2.5),
     ("--health-stall-seconds", "2.5"): ("server", "health_stall_seconds", 2.5),
     ("--shutdown-grace", "3"): ("args", "shutdown_grace", 3.0),
     ("--max-num-seqs", "8"): ("engine", "max_num_seqs", 8),

@@ -69,6 +69,20 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="larger request bodies get 413 (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-weight-part-bytes",
+        type=int,
+        default=DEFAULTS.max_weight_part_bytes,
+        help="the largest part of a weight update sent over HTTP; parts stream to shared "
+        "memory, beside --max-body-bytes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--weight-update-timeout",
+        type=float,
+        default=DEFAULTS.weight_update_timeout,
+        help="seconds an open weight update may go without a part before it is aborted "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--health-stall-seconds",
         type=float,
         default=DEFAULTS.health_stall_seconds,
@@ -137,6 +151,8 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         api_key=args.api_key or None,
         admin_key=args.admin_key or None,
         max_body_bytes=args.max_body_bytes,
+        max_weight_part_bytes=args.max_weight_part_bytes,
+        weight_update_timeout=args.weight_update_timeout,
         health_stall_seconds=args.health_stall_seconds,
         tool_call_parser=args.tool_call_parser,
         protect_metrics=args.protect_metrics,

@@ -50,9 +50,10 @@ def admin_router(ctx: ServerContext) -> APIRouter:
         level: Annotated[
             int, Query(ge=1, le=2, description="1: offload weights; 2: drop them.")
         ] = 1,
-        mode: Annotated[Literal["abort", "drain"], Query()] = "abort",
+        mode: Annotated[Literal["abort", "drain", "keep"], Query()] = "abort",
     ) -> EngineStateResponse:
-        """Pause (aborting or draining requests), then release memory; returns once it is free."""
+        """Pause (aborting, draining or keeping requests), then release memory; returns once
+        it is free. ``keep``: admitted requests stay, recomputed once every tag is resident."""
         return await control(engine.sleep(level, mode))
 
     @router.post("/wakeup", response_model=EngineStateResponse, responses=_errors(400, 409, 503))
@@ -87,7 +88,7 @@ def admin_router(ctx: ServerContext) -> APIRouter:
         """Load new weights from a server-side directory of safetensors, between two steps."""
         if not await anyio.to_thread.run_sync(_is_dir, body.path):
             raise invalid("path", f"path: {body.path!r} is not a directory on the server")
-        return await control(engine.update_weights(body.path))
+        return await control(engine.update_weights(body.path, kept_kv=body.kept_kv))
 
     return router
 

@@ -20,6 +20,9 @@ from .middleware import AuthMiddleware, BodyLimitMiddleware
 from .openai_routes import ERRORS, openai_router
 from .protocol import ChatCompletionRequest, CompletionRequest, HealthResponse
 from .tokenize_routes import OPEN_PATHS, tokenize_router
+from .weight_routes import PREFIX as WEIGHTS_PREFIX
+from .weight_routes import is_part_path, weight_router
+from .weight_uploads import WeightUploads
 
 DESCRIPTION = """\
 An OpenAI-compatible server for one tgengine Engine. Every error body is
@@ -31,11 +34,16 @@ accept only that key.
 
 
 def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving ``engine`` (which must be started before requests arrive)."""
+    """The ASGI app serving ``engine`` (which must be started before requests arrive).
+
+    ``app.state.uploads.run()`` must run beside it for weight updates over HTTP to open
+    (``Server.run`` runs it).
+    """
     config = config or ServerConfig()
     ctx = ServerContext.build(engine, config)
     app = FastAPI(title="tgengine", version=__version__, description=DESCRIPTION)
     app.state.ctx = ctx
+    app.state.uploads = uploads = WeightUploads(engine, config.weight_update_timeout)
     install_error_handlers(app, config.retry_after_seconds)
     api_security = [Security(HTTPBearer(auto_error=False, scheme_name="api_key"))]
     admin_security = [Security(HTTPBearer(auto_error=False, scheme_name="admin_key"))]
@@ -45,13 +53,15 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.include_router(tokenize_router(ctx))
     if config.admin_key:
         app.include_router(admin_router(ctx), dependencies=admin_security)
+        app.include_router(weight_router(ctx, uploads), dependencies=admin_security)
     app.openapi = _accurate_openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, streamed=is_part_path)
     app.add_middleware(
         AuthMiddleware,
         api_key=config.api_key,
         admin_key=config.admin_key,
         admin_paths=ADMIN_PATHS,
+        admin_prefixes=(WEIGHTS_PREFIX,),
         open_paths=[p for p in OPEN_PATHS if p != "/metrics" or not config.protect_metrics]
         + _schema_paths(app),
     )

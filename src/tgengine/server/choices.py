@@ -15,6 +15,8 @@ class Choice:
     ``prompt_token_ids`` is the prompt; ``prompt_logprobs`` and ``prompt_top_logprobs``
     come with the first chunk that has tokens when the prompt is echoed with logprobs.
     ``sent_tokens`` and ``sent_chars`` count what was already streamed, for offsets.
+    ``weight_versions``: ``[first token index, weight version]`` each time the version that
+    sampled the tokens changed (one pair unless the request spanned a weight update).
     """
 
     index: int
@@ -30,6 +32,13 @@ class Choice:
     error: str | None = None
     num_chunks: int = 0
     sent_chars: int = 0
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    last_version: int = 0
+
+    @property
+    def versions(self) -> list[tuple[int, int]]:
+        """``weight_versions``, or the one version a choice without tokens finished at."""
+        return self.weight_versions or [(0, self.last_version)]
 
     @property
     def text(self) -> str:
@@ -39,6 +48,10 @@ class Choice:
         self.num_chunks += 1
         if out.text:
             self.pieces.append(out.text)
+        versions = self.weight_versions
+        if out.token_ids and (not versions or versions[-1][1] != out.weight_version):
+            versions.append((len(self.token_ids), out.weight_version))
+        self.last_version = out.weight_version
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
         self.top_logprobs += out.top_logprobs or []

@@ -38,6 +38,8 @@ class ServerConfig:
     protect_metrics: bool = False
     metrics_prefix: str = "tgengine"
     allow_additional_properties: bool = False
+    max_weight_part_bytes: int = 16 * 1024**3
+    weight_update_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -56,9 +58,11 @@ class ServerConfig:
             raise ValueError(f"metrics_prefix: must be an identifier, got {self.metrics_prefix!r}")
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("backlog", self.backlog)
+        _positive("max_weight_part_bytes", self.max_weight_part_bytes)
         if not isinstance(self.retry_after_seconds, int) or self.retry_after_seconds < 0:
             raise ValueError("retry_after_seconds: must be an integer >= 0")
-        for name in ("health_stall_seconds", "graceful_timeout", "keep_alive_timeout"):
+        timeouts = ("health_stall_seconds", "graceful_timeout", "keep_alive_timeout")
+        for name in (*timeouts, "weight_update_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)!r}")
 

@@ -89,6 +89,7 @@ class CompletionFormatter(_Base):
                     text=text,
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
+                    weight_version=out.weight_version,
                 )
             ]
         )
@@ -115,6 +116,7 @@ class CompletionFormatter(_Base):
                     text=choice.text,
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason,
+                    weight_versions=choice.versions,
                 )
             )
         return self._response(body, usage(choices))
@@ -204,7 +206,11 @@ class ChatFormatter(_Base):
         delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
         return self._chunk(
             ChatChunkChoice(
-                index=choice.index, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason
+                index=choice.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                weight_version=out.weight_version,
             )
         )
 
@@ -224,7 +230,11 @@ class ChatFormatter(_Base):
         reason = _with_calls(out.finish_reason, tools)
         return self._chunk(
             ChatChunkChoice(
-                index=choice.index, delta=delta, logprobs=logprobs, finish_reason=reason
+                index=choice.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=reason,
+                weight_version=out.weight_version,
             )
         )
 
@@ -258,6 +268,7 @@ class ChatFormatter(_Base):
             message=message,
             logprobs=self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs),
             finish_reason=reason,
+            weight_versions=choice.versions,
         )
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:

@@ -7,7 +7,7 @@ request, so no route can forget them.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,9 +19,9 @@ DRAIN_BYTES = 64 * 1024 * 1024
 class AuthMiddleware:
     """Require ``Authorization: Bearer <key>``.
 
-    Paths in ``admin_paths`` accept only ``admin_key``. Paths in ``open_paths`` need no
-    key. Every other path accepts ``api_key`` (or ``admin_key``) when ``api_key`` is set,
-    and is open otherwise.
+    Paths in ``admin_paths``, or under one of ``admin_prefixes``, accept only
+    ``admin_key``. Paths in ``open_paths`` need no key. Every other path accepts
+    ``api_key`` (or ``admin_key``) when ``api_key`` is set, and is open otherwise.
     """
 
     def __init__(
@@ -31,12 +31,14 @@ class AuthMiddleware:
         api_key: str | None,
         admin_key: str | None,
         admin_paths: Collection[str],
+        admin_prefixes: Collection[str] = (),
         open_paths: Collection[str] = (),
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_key = admin_key
         self.admin_paths = frozenset(admin_paths)
+        self.admin_prefixes = tuple(admin_prefixes)
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -44,7 +46,9 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)
-        if self.admin_key is not None and scope["path"] in self.admin_paths:
+        path = scope["path"]
+        is_admin = path in self.admin_paths or path.startswith(self.admin_prefixes)
+        if self.admin_key is not None and is_admin:
             allowed: tuple[str | None, ...] = (self.admin_key,)
         elif scope["path"] in self.open_paths:
             allowed = ()
@@ -82,16 +86,24 @@ class BodyLimitMiddleware:
     """Read the whole body first; over ``max_bytes`` → 413 without calling the app.
 
     The app then gets the body as one message, and later ``receive()`` calls go to the
-    server (so the app still hears ``http.disconnect``).
+    server (so the app still hears ``http.disconnect``). Paths for which ``streamed(path)``
+    is true pass as they come: their route reads, and bounds, the body itself.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        streamed: Callable[[str], bool] = lambda path: False,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = streamed
         self._drain_bytes = max(DRAIN_BYTES, 2 * max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.streamed(scope["path"]):
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)

@@ -161,11 +161,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+WEIGHT_VERSIONS = (
+    "[first_token_index, weight_version] pairs: which weights sampled which of the choice's "
+    "tokens (more than one pair when its request spanned a weight update)"
+)
+WEIGHT_VERSION = "streamed: the weight version that sampled this chunk's tokens"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    weight_versions: list[tuple[int, int]] | None = Field(default=None, description=WEIGHT_VERSIONS)
+    weight_version: int | None = Field(default=None, description=WEIGHT_VERSION)
 
 
 class CompletionResponse(BaseModel):
@@ -205,6 +214,9 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    weight_versions: list[tuple[int, int]] = Field(
+        default_factory=list, description=WEIGHT_VERSIONS
+    )
 
 
 class ChatCompletionResponse(BaseModel):
@@ -227,6 +239,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    weight_version: int | None = Field(default=None, description=WEIGHT_VERSION)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -286,3 +299,6 @@ class IsSleepingResponse(BaseModel):
 
 class UpdateWeightsRequest(StrictModel):
     path: str = Field(min_length=1, description="A server-side directory of *.safetensors.")
+    kept_kv: Literal["recompute", "reuse"] = Field(
+        "recompute", description="Kept requests: recompute their KV, or reuse the old one."
+    )

@@ -15,6 +15,7 @@ from hypercorn.utils import wrap_app
 from ..engine.client import EngineClient
 from .app import create_app
 from .config import ServerConfig
+from .weight_uploads import WeightUploads
 
 log = logging.getLogger(__name__)
 SHUTDOWN_MARGIN = 2.0  # seconds beyond Hypercorn's own graceful timeout
@@ -34,6 +35,7 @@ class Server:
         self.engine = engine
         self.config = config or ServerConfig()
         self.address: tuple[str, int] | None = None
+        self.weight_uploads: WeightUploads | None = None  # while it runs: updates over HTTP
 
     @property
     def url(self) -> str:
@@ -53,7 +55,9 @@ class Server:
         (a stream whose request the engine ended writes its last chunk and ``[DONE]``),
         then the rest are closed.
         """
-        app = wrap_app(create_app(self.engine, self.config), 0, "asgi")  # type: ignore[arg-type]
+        fastapi_app = create_app(self.engine, self.config)
+        app = wrap_app(fastapi_app, 0, "asgi")  # type: ignore[arg-type]
+        self.weight_uploads = fastapi_app.state.uploads
         config = self._hypercorn_config()
         sockets = config.create_sockets()
         try:
@@ -62,6 +66,7 @@ class Server:
             host, port = sockets.insecure_sockets[0].getsockname()[:2]
             shutdown = anyio.Event()
             async with anyio.create_task_group() as tg:
+                await tg.start(fastapi_app.state.uploads.run)  # weight updates over HTTP
                 tg.start_soon(self._serve, app, config, sockets, shutdown)
                 self.address = (host, port)
                 task_status.started((host, port))
