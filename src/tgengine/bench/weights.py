@@ -1,4 +1,4 @@
-"""``bench weights``: a full in-process weight update, timed and its peak RSS measured.
+"""``bench weights``: a full weight update, timed and its peak RSS measured.
 
 Every way in is timed on the same engine and the same bytes: ``update_weights(dir)``, a
 one-part ``update_weights(tensors)``, ``weight_update()`` in parts (awake), and the same
@@ -7,10 +7,15 @@ timed with them). The physical limit is a plain ``copy_`` of the same bytes, mea
 the run. Peak RSS is sampled every millisecond over each operation, above the RSS at its
 start (what the update itself needs beyond the engine already loaded; asleep, beyond the
 engine whose weights were released: the goal there is one part + 10 % of the weights).
+Then the same tensors from another process (``weights_remote``): through ``ProcessEngine``
+(``update_weights(dir)`` and ``weight_update()`` in parts), and over HTTP from a client
+process, to a server whose engine runs in its process or in an engine process.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +30,7 @@ from ..engine.engine import Engine
 from ..models import iter_safetensors
 from .common import BenchSetup
 from .engine_run import engine_config, warm_up
+from .weights_remote import http_rows, process_engine_rows
 
 _MIB = 1024**2
 Named = list[tuple[str, torch.Tensor]]
@@ -100,7 +106,9 @@ async def _nothing() -> None:
     pass
 
 
-async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str, Any]:
+async def _weights(
+    setup: BenchSetup, part_bytes: int, repeats: int, remote: bool
+) -> dict[str, Any]:
     config = engine_config(setup)
     engine = Engine(config)
     async with anyio.create_task_group() as tg:
@@ -140,10 +148,16 @@ async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str
             )
         version = engine.weight_version
         tg.cancel_scope.cancel()
+    if remote:
+        rows += await process_engine_rows(setup, parts, repeats)
+        for engine_process in (False, True):
+            rows += await http_rows(
+                setup, named, part_bytes, repeats, engine_process=engine_process
+            )
     for row in rows:
         row["gb_per_s"] = total / row["seconds"] / 1e9
         row["fraction_of_memcpy"] = memcpy / row["seconds"]
-        row["peak_over_weights"] = row["peak_rss_over_bytes"] / max(1, weights)
+        row["peak_over_weights"] = (row["peak_rss_over_bytes"] or 0) / max(1, weights)
     return {
         "rows": rows,
         "update_bytes": total,
@@ -154,11 +168,13 @@ async def _weights(setup: BenchSetup, part_bytes: int, repeats: int) -> dict[str
     }
 
 
-def run_weights(setup: BenchSetup, *, part_mib: int = 64, repeats: int = 3) -> dict[str, Any]:
-    result = anyio.run(partial(_weights, setup, part_mib * _MIB, repeats))
+def run_weights(
+    setup: BenchSetup, *, part_mib: int = 64, repeats: int = 3, remote: bool = True
+) -> dict[str, Any]:
+    result = anyio.run(partial(_weights, setup, part_mib * _MIB, repeats, remote))
     return {
         "bench": "weights",
-        "workload": {"part_mib": part_mib, "repeats": repeats},
+        "workload": {"part_mib": part_mib, "repeats": repeats, "model": setup.model_dir},
         **result,
     }
 
@@ -171,6 +187,19 @@ def add_parser(benches: Any, common: Callable[[Any], None], handler: Callable[..
     common(p)
     p.add_argument("--part-mib", type=int, help="MiB per pushed part (default: 64; quick: 1)")
     p.add_argument("--repeats", type=int, help="runs of each; the fastest counts (default: 3)")
+    p.add_argument(
+        "--remote",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also from another process: ProcessEngine, and HTTP from a client process "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--synthetic-1b",
+        action="store_true",
+        help="the synthetic 1B Llama of bench memory (written once to the cache dir) "
+        "instead of --model",
+    )
     p.set_defaults(handler=handler, runner=_from_args)
 
 
@@ -178,4 +207,10 @@ def _from_args(setup: BenchSetup, args: Any) -> dict[str, Any]:
     quick = bool(args.quick)
     part_mib = args.part_mib if args.part_mib is not None else (1 if quick else 64)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
-    return run_weights(setup, part_mib=part_mib, repeats=repeats)
+    if args.synthetic_1b:
+        from ..runtime.disk_cache import cache_root
+        from .memory import write_synthetic_1b
+
+        path = cache_root() / "synthetic-llama-1b"
+        setup = dataclasses.replace(setup, model_dir=str(write_synthetic_1b(path)))
+    return run_weights(setup, part_mib=part_mib, repeats=repeats, remote=args.remote)

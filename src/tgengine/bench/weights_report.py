@@ -10,15 +10,19 @@ _MIB = 1024**2
 
 
 def render(result: dict[str, Any]) -> str:
+    rows = [{k: "" if v is None else v for k, v in row.items()} for row in result["rows"]]
     out = table(
-        result["rows"],
+        rows,
         [
             ("path", "path"),
             ("seconds", "seconds"),
             ("gb_per_s", "GB/s"),
             ("fraction_of_memcpy", "of memcpy"),
-            ("peak_rss_over_bytes", "peak RSS over start (B)"),
+            ("peak_rss_over_bytes", "engine peak RSS over start (B)"),
             ("peak_over_weights", "peak / weights"),
+            ("sender_peak_rss_over_bytes", "sender's (B)"),
+            ("relay_peak_rss_over_bytes", "server's (B)"),
+            ("shm_peak_bytes", "/dev/shm peak (B)"),
         ],
     )
     return (

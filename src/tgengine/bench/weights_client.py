@@ -1,0 +1,97 @@
+"""A trainer in another process, for ``bench weights``: a full update pushed over HTTP.
+
+``python -m tgengine.bench.weights_client SPEC.json`` reads the model's tensors (the
+trainer's weights, held in memory before the clock starts), then times one update in
+parts: open it, send each part as a safetensors body, commit. It prints one JSON line:
+``seconds``, ``peak_rss_over_bytes`` (its RSS sampled over the update, above the RSS with
+the weights loaded) and ``weight_version`` after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _load(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trainer's weights in parts of about ``part_bytes`` (a tensor never split)."""
+    import torch
+
+    from ..models import iter_safetensors
+
+    dtype = getattr(torch, spec["dtype"])
+    names = set(spec["names"])
+    parts: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, tensor in iter_safetensors(spec["model_dir"]):
+        if name not in names:
+            continue
+        tensor = tensor.to(dtype)
+        if parts[-1] and size + tensor.nbytes > spec["part_bytes"]:
+            parts.append({})
+            size = 0
+        parts[-1][name] = tensor
+        size += tensor.nbytes
+    return parts
+
+
+async def push(spec: dict[str, Any]) -> dict[str, Any]:
+    import anyio
+    import httpx
+    from safetensors.torch import save
+
+    parts = await anyio.to_thread.run_sync(_load, spec)
+    headers = {"Authorization": f"Bearer {spec['admin_key']}"}
+    base = peak = _rss()
+    done = anyio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss())
+            await anyio.sleep(0.001)
+
+    async with httpx.AsyncClient(base_url=spec["url"], headers=headers, timeout=600) as http:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sample)
+            start = time.perf_counter()
+            opened = await http.post("/weights/updates")
+            opened.raise_for_status()
+            update = opened.json()["id"]
+            for part in parts:
+                body = await anyio.to_thread.run_sync(save, part)
+                sent = await http.post(f"/weights/updates/{update}/parts", content=body)
+                sent.raise_for_status()
+                del body
+            committed = await http.post(f"/weights/updates/{update}/commit")
+            committed.raise_for_status()
+            seconds = time.perf_counter() - start
+            done.set()
+    return {
+        "seconds": seconds,
+        "peak_rss_over_bytes": max(peak, _rss()) - base,
+        "weight_version": committed.json()["weight_version"],
+        "num_parts": len(parts),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import anyio
+
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    print(json.dumps(anyio.run(push, spec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

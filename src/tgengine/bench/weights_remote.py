@@ -1,0 +1,183 @@
+"""``bench weights`` from another process: through ``ProcessEngine``, and over HTTP.
+
+Each way is one full update of the same tensors, timed end to end (from opening the update
+to its commit's answer). Peak RSS is sampled every millisecond in every process involved,
+each above its own RSS at the start: the engine's (where the weights live), the sender's
+(the trainer: this bench process for ``ProcessEngine``, a client process for HTTP) and,
+for HTTP to an engine process, the server's in between; ``/dev/shm``'s use is sampled too
+(the parts cross there, one at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import psutil
+import torch
+
+from ..agent.agent import _trim_host_heap
+from ..engine.client import EngineClient
+from ..engine.engine import Engine
+from ..ipc.weights_file import SHARED_MEMORY
+from ..process.client import ProcessEngine
+from ..server import Server, ServerConfig
+from .common import BenchSetup
+from .engine_run import engine_config
+
+Named = list[tuple[str, torch.Tensor]]
+ADMIN_KEY = "bench-weights"
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def _shm_used() -> int:
+    return shutil.disk_usage(SHARED_MEMORY).used if SHARED_MEMORY.is_dir() else 0
+
+
+async def measured(
+    action: Callable[[], Awaitable[Any]], pids: dict[str, int]
+) -> tuple[float, dict[str, int], Any]:
+    """Seconds ``action`` took, each process's peak RSS above its start (by role, and
+    ``shm``: /dev/shm's peak use above its start), and what ``action`` returned."""
+    _trim_host_heap()
+    base = {role: _rss(pid) for role, pid in pids.items()} | {"shm": _shm_used()}
+    peak = dict(base)
+    done = anyio.Event()
+
+    def sample_once() -> None:
+        for role, pid in pids.items():
+            peak[role] = max(peak[role], _rss(pid))
+        peak["shm"] = max(peak["shm"], _shm_used())
+
+    async def sample() -> None:
+        while not done.is_set():
+            sample_once()
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        start = time.perf_counter()
+        try:
+            result = await action()
+        finally:
+            seconds = time.perf_counter() - start
+            done.set()
+    sample_once()
+    return seconds, {role: peak[role] - base[role] for role in peak}, result
+
+
+async def _push(engine: EngineClient, parts: list[Named]) -> None:
+    async with engine.weight_update() as update:
+        for part in parts:
+            await update.push(part)
+
+
+def _row(
+    path: str,
+    runs: list[tuple[float, dict[str, int], Any]],
+    engine: str,
+    sender: str | None,
+    relay: str | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
+    def peak(role: str | None) -> int | None:
+        return None if role is None else max(p[role] for _, p, _ in runs)
+
+    return {
+        "path": path,
+        "seconds": seconds if seconds is not None else min(s for s, _, _ in runs),
+        "peak_rss_over_bytes": peak(engine),
+        "sender_peak_rss_over_bytes": peak(sender),
+        "relay_peak_rss_over_bytes": peak(relay),
+        "shm_peak_bytes": peak("shm"),
+    }
+
+
+async def process_engine_rows(
+    setup: BenchSetup, parts: list[Named], repeats: int
+) -> list[dict[str, Any]]:
+    """``ProcessEngine``: ``update_weights(dir)`` and ``weight_update()`` in parts, sent
+    from this process (the trainer) to the engine process."""
+    engine = ProcessEngine(engine_config(setup))
+    rows = []
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        assert engine.pid is not None
+        pids = {"engine": engine.pid, "sender": os.getpid()}
+        ways = {
+            "ProcessEngine: update_weights(dir)": partial(engine.update_weights, setup.model_dir),
+            f"ProcessEngine: weight_update() in {len(parts)} parts": partial(_push, engine, parts),
+        }
+        for name, action in ways.items():
+            runs = [await measured(action, pids) for _ in range(repeats)]
+            rows.append(_row(name, runs, "engine", "sender" if "parts" in name else None))
+        engine.stop()
+    return rows
+
+
+async def http_rows(
+    setup: BenchSetup, named: Named, part_bytes: int, repeats: int, *, engine_process: bool
+) -> list[dict[str, Any]]:
+    """A client process pushes the update over HTTP to a server in this process, whose
+    engine runs here (``engine_process`` False) or in an engine process of its own."""
+    config = engine_config(setup)
+    engine: EngineClient = ProcessEngine(config) if engine_process else Engine(config)
+    server = Server(engine, ServerConfig(port=0, admin_key=ADMIN_KEY))
+    dtype = str(named[0][1].dtype).removeprefix("torch.")
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        await tg.start(server.run)
+        spec = {
+            "url": server.url,
+            "admin_key": ADMIN_KEY,
+            "model_dir": setup.model_dir,
+            "names": [n for n, _ in named],
+            "dtype": dtype,
+            "part_bytes": part_bytes,
+        }
+        runs = []
+        for _ in range(repeats):
+            runs.append(await _http_once(spec, engine, engine_process))
+        tg.cancel_scope.cancel()
+    where = "an engine process" if engine_process else "the server's process"
+    name = f"HTTP from another process, engine in {where}: {runs[0][2]['num_parts']} parts"
+    seconds = min(r[2]["seconds"] for r in runs)
+    for _, peaks, result in runs:
+        peaks["client"] = result["peak_rss_over_bytes"]
+    if engine_process:
+        return [_row(name, runs, "engine", "client", "server", seconds=seconds)]
+    return [_row(name, runs, "server", "client", seconds=seconds)]
+
+
+async def _http_once(
+    spec: dict[str, Any], engine: EngineClient, engine_process: bool
+) -> tuple[float, dict[str, int], Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    pids = {"server": os.getpid()}
+    if engine_process:
+        assert isinstance(engine, ProcessEngine) and engine.pid is not None
+        pids["engine"] = engine.pid
+    command = [sys.executable, "-m", "tgengine.bench.weights_client", f.name]
+    try:
+        # The client loads its tensors before its clock starts: the time and peaks that
+        # count are its own figures, and the server side's sampled here meanwhile.
+        seconds, peaks, done = await measured(partial(anyio.run_process, command), pids)
+    finally:
+        os.unlink(f.name)
+    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return seconds, peaks, result
