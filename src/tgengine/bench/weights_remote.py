@@ -111,21 +111,22 @@ async def process_engine_rows(
     setup: BenchSetup, parts: list[Named], repeats: int
 ) -> list[dict[str, Any]]:
     """``ProcessEngine``: ``update_weights(dir)`` and ``weight_update()`` in parts, sent
-    from this process (the trainer) to the engine process."""
-    engine = ProcessEngine(engine_config(setup))
+    from this process (the trainer) to the engine process; a fresh engine process for
+    each way (its freed heap is not handed back: a later way would reuse it unseen)."""
+    ways: dict[str, Callable[[ProcessEngine], Awaitable[Any]]] = {
+        "ProcessEngine: update_weights(dir)": lambda e: e.update_weights(setup.model_dir),
+        f"ProcessEngine: weight_update() in {len(parts)} parts": lambda e: _push(e, parts),
+    }
     rows = []
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        assert engine.pid is not None
-        pids = {"engine": engine.pid, "sender": os.getpid()}
-        ways = {
-            "ProcessEngine: update_weights(dir)": partial(engine.update_weights, setup.model_dir),
-            f"ProcessEngine: weight_update() in {len(parts)} parts": partial(_push, engine, parts),
-        }
-        for name, action in ways.items():
-            runs = [await measured(action, pids) for _ in range(repeats)]
+    for name, way in ways.items():
+        engine = ProcessEngine(engine_config(setup))
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            assert engine.pid is not None
+            pids = {"engine": engine.pid, "sender": os.getpid()}
+            runs = [await measured(partial(way, engine), pids) for _ in range(repeats)]
             rows.append(_row(name, runs, "engine", "sender" if "parts" in name else None))
-        engine.stop()
+            engine.stop()
     return rows
 
 

@@ -145,11 +145,13 @@ class WeightUpdate:
         await self._stage(named, copy=True)
 
     async def push_file(self, path: str | Path) -> None:
-        """Check and stage the tensors of one safetensors file, as ``push`` does; they are
-        read from a mapping of the file, so it may be removed once this returns. A file
-        that is not safetensors raises ``InvalidRequestError``."""
+        """Check and stage the tensors of one safetensors file, as ``push`` does, from a
+        mapping of the file: the file may be removed once this returns. A tensor already in
+        its weight's dtype, on the CPU, is staged as it is, a view of the mapping (no copy;
+        the mapping lives as long as the view). A file that is not safetensors raises
+        ``InvalidRequestError``."""
         named = await anyio.to_thread.run_sync(map_part, str(path))
-        await self._stage(named, copy=True)
+        await self._stage(named, copy=False)
 
     async def push_source(
         self, source: str | Path | Iterable[tuple[str, torch.Tensor]], *, own: bool

@@ -19,6 +19,10 @@ from .weight_uploads import WeightUploads
 
 log = logging.getLogger(__name__)
 SHUTDOWN_MARGIN = 2.0  # seconds beyond Hypercorn's own graceful timeout
+# Hypercorn reads at most 64 KiB from a socket at a time (MAX_RECV, a module constant, read
+# at each call); each read costs a timeout wrapper and an ASGI message. A weight part of
+# hundreds of MiB then spends more time in that overhead than in moving its bytes.
+READ_BYTES = 1 << 20
 
 
 class Server:
@@ -91,11 +95,17 @@ class Server:
                 scope.deadline = anyio.current_time() + config.graceful_timeout + SHUTDOWN_MARGIN
 
             if sniffio.current_async_library() == "trio":
+                from hypercorn.trio import tcp_server as trio_tcp
                 from hypercorn.trio.run import worker_serve as trio_serve
+
+                trio_tcp.MAX_RECV = max(trio_tcp.MAX_RECV, READ_BYTES)
 
                 await trio_serve(app, config, sockets=sockets, shutdown_trigger=trigger)
             else:
+                from hypercorn.asyncio import tcp_server as asyncio_tcp
                 from hypercorn.asyncio.run import worker_serve as asyncio_serve
+
+                asyncio_tcp.MAX_RECV = max(asyncio_tcp.MAX_RECV, READ_BYTES)
 
                 await asyncio_serve(app, config, sockets=sockets, shutdown_trigger=trigger)
         if not shutdown.is_set():
