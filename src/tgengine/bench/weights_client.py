@@ -4,7 +4,8 @@
 trainer's weights, held in memory before the clock starts), then times one update in
 parts: open it, send each part as a safetensors body, commit. It prints one JSON line:
 ``seconds``, ``peak_rss_over_bytes`` (its RSS sampled over the update, above the RSS with
-the weights loaded) and ``weight_version`` after the commit.
+the weights loaded) and ``weight_version`` after the commit. Each body is streamed from the
+tensors' own memory (``safetensors_pieces``), as a trainer would send them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 
@@ -19,6 +21,14 @@ def _rss() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+PIECE_BYTES = 4 * 1024 * 1024
+
+
+async def _bytes(pieces: Iterator[memoryview]) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece  # type: ignore[misc]  # httpx sends any bytes-like piece
 
 
 def _load(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,7 +56,8 @@ def _load(spec: dict[str, Any]) -> list[dict[str, Any]]:
 async def push(spec: dict[str, Any]) -> dict[str, Any]:
     import anyio
     import httpx
-    from safetensors.torch import save
+
+    from ..ipc.weights_file import safetensors_pieces
 
     parts = await anyio.to_thread.run_sync(_load, spec)
     headers = {"Authorization": f"Bearer {spec['admin_key']}"}
@@ -67,10 +78,14 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
             opened.raise_for_status()
             update = opened.json()["id"]
             for part in parts:
-                body = await anyio.to_thread.run_sync(save, part)
-                sent = await http.post(f"/weights/updates/{update}/parts", content=body)
+                # the body streamed from the tensors' own memory: no serialized copy
+                size, pieces = safetensors_pieces(part.items(), PIECE_BYTES)
+                sent = await http.post(
+                    f"/weights/updates/{update}/parts",
+                    content=_bytes(pieces),
+                    headers={"Content-Length": str(size)},
+                )
                 sent.raise_for_status()
-                del body
             committed = await http.post(f"/weights/updates/{update}/commit")
             committed.raise_for_status()
             seconds = time.perf_counter() - start

@@ -16,7 +16,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -63,10 +63,23 @@ def write_weights_dir(named: Iterable[tuple[str, torch.Tensor]]) -> Path:
 
 def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) -> int:
     """Write ``named`` as one safetensors file; returns its size in bytes (blocking)."""
+    size, pieces = safetensors_pieces(named)
+    with open(file, "wb", buffering=0) as f:
+        for piece in pieces:
+            _write_all(f.fileno(), piece)
+    return size
+
+
+def safetensors_pieces(
+    named: Iterable[tuple[str, torch.Tensor]], piece_bytes: int = _WRITE_BYTES
+) -> tuple[int, Iterator[memoryview]]:
+    """``named`` as safetensors bytes: the total size, and the pieces (at most
+    ``piece_bytes`` each) to write or send in order, each a view of the header or of a
+    tensor's own memory: nothing is copied (a tensor off the CPU is copied there first).
+    The tensors must not change until the pieces are used."""
     given = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in named]
     # the widest elements first: every tensor's data then starts aligned to its dtype
     given.sort(key=lambda item: -item[1].element_size())
-    tensors: list[tuple[str, torch.Tensor]] = []
     header: dict[str, object] = {}
     offset = 0
     for name, tensor in given:
@@ -80,15 +93,19 @@ def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) ->
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
-        tensors.append((name, tensor))
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(file, "wb", buffering=0) as f:
-        f.write(len(encoded).to_bytes(8, "little") + encoded)
-        for _, tensor in tensors:
-            _write_all(f.fileno(), _bytes_of(tensor))
-    return 8 + len(encoded) + offset
+    head = memoryview(len(encoded).to_bytes(8, "little") + encoded)
+
+    def pieces() -> Iterator[memoryview]:
+        yield head
+        for _, tensor in given:
+            data = _bytes_of(tensor)
+            for start in range(0, len(data), piece_bytes):
+                yield data[start : start + piece_bytes]
+
+    return len(head) + offset, pieces()
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -101,7 +118,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def _write_all(fd: int, data: memoryview) -> None:
     done = 0
     while done < len(data):
-        done += os.write(fd, data[done : done + _WRITE_BYTES])
+        done += os.write(fd, data[done:])
 
 
 def map_weights(path: str | Path) -> list[tuple[str, torch.Tensor]]:
