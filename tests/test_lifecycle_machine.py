@@ -966,9 +966,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     def update_weights(self, weights: str, float64: bool = False, kept_kv: str = "") -> None:
         """``float64``: the tensors in another float dtype than the model's (converted on
         the way in; float32 values survive the round trip exactly). ``kept_kv``: what
-        requests holding KV keep ("" or the process kind: the default, "recompute";
-        "reuse" is refused while asleep, where sleep released that KV)."""
-        options = {"kept_kv": kept_kv} if kept_kv and self.kind != "process" else {}
+        requests holding KV keep ("": the default, "recompute"; "reuse" is refused while
+        asleep, where sleep released that KV)."""
+        options = {"kept_kv": kept_kv} if kept_kv else {}
         kept_kv = options.get("kept_kv", "recompute")
         culprit = ""
         named: Any
@@ -1002,7 +1002,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert kept in ([], [0]), f"{kept} prefixes computed with the old weights kept"
         self.weights_are(self.model.weights)
 
-    @precondition(lambda self: self.driver is not None and self.kind != "process")
+    @precondition(lambda self: self.driver is not None)
     @rule(
         weights=st.sampled_from(["A", "B", "bad part"]),
         num_parts=st.integers(1, 3),
@@ -1013,7 +1013,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         cleanly (everything applies at once), raises or is cancelled (nothing applies), or
         a part is invalid (refused naming its tensor, nothing applies). A second update
         while this one is open is refused; a committed one cannot be entered again.
-        (ProcessEngine has no ``weight_update``.)"""
+        (ProcessEngine: each part through shared memory, the block's end as a message.)"""
         named = self.weights["A" if weights == "bad part" else weights]
         size = -(-len(named) // num_parts)
         parts = [named[i : i + size] for i in range(0, len(named), size)]
