@@ -109,14 +109,20 @@ async def test_management_validates_and_keeps_state(tiny_llama_dir: Path, tmp_pa
                 for path, params in [
                     ("/sleep", {"level": 3}),
                     ("/sleep", {"level": "one"}),
-                    ("/sleep", {"mode": "keep"}),
+                    ("/sleep", {"mode": "bogus"}),  # keep is valid (issue 32)
                     ("/pause", {"mode": "bogus"}),
                     ("/wakeup", {"tags": "memory"}),
                 ]:
                     error = assert_error_body(await admin.post(path, params=params), 400)
                     assert error["param"].split(".")[0] == next(iter(params))
                     assert running.engine.state.value == "running"
-                for body in [{"path": str(tmp_path / "missing")}, {"path": str(bad_weights)}, {}]:
+                bogus_kv = {"path": str(tiny_llama_dir), "kept_kv": "bogus"}
+                for body in [
+                    {"path": str(tmp_path / "missing")},
+                    {"path": str(bad_weights)},
+                    {},
+                    bogus_kv,
+                ]:
                     response = await admin.post("/update_weights", json=body)
                     assert_error_body(response, 400)
                 assert running.engine.weight_version == 0
