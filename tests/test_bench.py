@@ -280,10 +280,10 @@ def test_step_splits_each_kind_of_step_into_parts_that_sum_to_it(
 def test_weights(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_bench("weights", tiny_llama_dir, tmp_path, capsys=capsys)
     paths = [r["path"] for r in result["rows"]]
-    assert paths[0] == "memcpy (the limit)" and len(paths) == 9
+    assert paths[0] == "memcpy (the limit)" and len(paths) == 10
     assert any(p.startswith("asleep (level 2)") for p in paths)
-    # from another process: ProcessEngine (dir, parts), HTTP to either engine
-    assert sum(p.startswith("ProcessEngine: ") for p in paths) == 2
+    # from another process: ProcessEngine (dir, parts, asleep), HTTP to either engine
+    assert sum(p.startswith("ProcessEngine") for p in paths) == 3
     http = [r for r in result["rows"] if r["path"].startswith("HTTP from another process")]
     assert len(http) == 2 and all(r["sender_peak_rss_over_bytes"] is not None for r in http)
     assert http[1]["relay_peak_rss_over_bytes"] is not None  # the server, between the two

@@ -111,20 +111,42 @@ async def process_engine_rows(
     setup: BenchSetup, parts: list[Named], repeats: int
 ) -> list[dict[str, Any]]:
     """``ProcessEngine``: ``update_weights(dir)`` and ``weight_update()`` in parts, sent
-    from this process (the trainer) to the engine process; a fresh engine process for
-    each way (its freed heap is not handed back: a later way would reuse it unseen)."""
-    ways: dict[str, Callable[[ProcessEngine], Awaitable[Any]]] = {
-        "ProcessEngine: update_weights(dir)": lambda e: e.update_weights(setup.model_dir),
-        f"ProcessEngine: weight_update() in {len(parts)} parts": lambda e: _push(e, parts),
+    from this process (the trainer) to the engine process, awake and with its weights
+    asleep at level 2 (the wakeup timed with them); a fresh engine process for each way
+    (its freed heap is not handed back: a later way would reuse it unseen)."""
+
+    async def asleep(engine: ProcessEngine) -> None:
+        await _push(engine, parts)
+        await engine.wakeup(["weights"])
+
+    async def awake(engine: ProcessEngine) -> None:
+        pass
+
+    ways: dict[str, tuple[Callable[[ProcessEngine], Awaitable[Any]], ...]] = {
+        "ProcessEngine: update_weights(dir)": (
+            awake,
+            lambda e: e.update_weights(setup.model_dir),
+        ),
+        f"ProcessEngine: weight_update() in {len(parts)} parts": (
+            awake,
+            lambda e: _push(e, parts),
+        ),
+        f"ProcessEngine asleep (level 2): {len(parts)} parts + wakeup": (
+            lambda e: e.sleep(2),
+            asleep,
+        ),
     }
     rows = []
-    for name, way in ways.items():
+    for name, (before, way) in ways.items():
         engine = ProcessEngine(engine_config(setup))
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
             assert engine.pid is not None
             pids = {"engine": engine.pid, "sender": os.getpid()}
-            runs = [await measured(partial(way, engine), pids) for _ in range(repeats)]
+            runs = []
+            for _ in range(repeats):
+                await before(engine)
+                runs.append(await measured(partial(way, engine), pids))
             rows.append(_row(name, runs, "engine", "sender" if "parts" in name else None))
             engine.stop()
     return rows
