@@ -66,7 +66,7 @@ def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) ->
     size, pieces = safetensors_pieces(named)
     with open(file, "wb", buffering=0) as f:
         for piece in pieces:
-            _write_all(f.fileno(), piece)
+            write_all(f.fileno(), piece)
     return size
 
 
@@ -115,7 +115,8 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(array.data).cast("B")
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may take fewer at a time)."""
     done = 0
     while done < len(data):
         done += os.write(fd, data[done:])

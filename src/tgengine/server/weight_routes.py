@@ -20,11 +20,11 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from ..ipc.weights_file import FILE_NAME, new_weights_dir, remove_weights_dir
+from ..ipc.weights_file import FILE_NAME, new_weights_dir, remove_weights_dir, write_all
 from .context import ServerContext
 from .errors import APIError, unavailable
 from .protocol import ErrorResponse
-from .weight_uploads import UpdateError, Upload, UploadsStopped, WeightUploads
+from .weight_uploads import Upload, UploadsStopped, WeightUploads
 
 PREFIX = "/weights/updates"
 FLUSH_BYTES = 16 * 1024 * 1024  # a part's body is written out in pieces of about this size
@@ -72,12 +72,6 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
             timeout_seconds=uploads.timeout,
         )
 
-    def find(update_id: str) -> Upload:
-        try:
-            return uploads.get(update_id)
-        except UpdateError as exc:
-            raise _api_error(exc) from exc
-
     @router.post(
         PREFIX,
         status_code=201,
@@ -90,8 +84,6 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
         """Open an update in parts; its ``id`` names it in the calls that follow."""
         try:
             upload = await uploads.begin(kept_kv)
-        except UpdateError as exc:
-            raise _api_error(exc) from exc
         except UploadsStopped as exc:
             raise unavailable(str(exc), "engine_stopped", ctx.retry_after) from exc
         return answer(upload)
@@ -100,7 +92,7 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
         f"{PREFIX}/{{update_id}}", response_model=WeightUpdateResponse, responses=_errors(404)
     )
     async def status(update_id: str) -> WeightUpdateResponse:
-        return answer(find(update_id))
+        return answer(uploads.get(update_id))
 
     @router.post(
         f"{PREFIX}/{{update_id}}/parts",
@@ -117,13 +109,13 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
     )
     async def part(update_id: str, request: Request) -> WeightUpdateResponse:
         """Check and stage one part: a safetensors file as the body (full tensors by name)."""
-        upload = find(update_id)
-        _check_open(uploads, upload)
+        upload = uploads.get(update_id)
+        uploads.check_open(upload)
         with uploads.receiving(upload):
             directory = await anyio.to_thread.run_sync(new_weights_dir)
             try:
                 size = await _receive(request, directory / FILE_NAME, limit, uploads, upload)
-                _check_open(uploads, upload)  # it may have ended while the body arrived
+                uploads.check_open(upload)  # it may have ended while the body arrived
                 await uploads.push(upload, directory / FILE_NAME, size)
             finally:
                 with anyio.CancelScope(shield=True):
@@ -137,8 +129,8 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
     )
     async def commit(update_id: str) -> WeightUpdateResponse:
         """Apply every part at once, between two steps; ``weight_version`` increments."""
-        upload = find(update_id)
-        _check_open(uploads, upload)
+        upload = uploads.get(update_id)
+        uploads.check_open(upload)
         await uploads.commit(upload)
         return answer(upload)
 
@@ -147,7 +139,7 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
     )
     async def abort(update_id: str) -> WeightUpdateResponse:
         """Drop the update: nothing of it applies (a no-op once it ended)."""
-        upload = find(update_id)
+        upload = uploads.get(update_id)
         await uploads.abort(upload, "aborted by the client")
         return answer(upload)
 
@@ -197,21 +189,7 @@ def _create(file: Path) -> int:
 
 def _write(fd: int, chunks: list[bytes]) -> None:
     for chunk in chunks:
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(fd, view) :]
-
-
-def _check_open(uploads: WeightUploads, upload: Upload) -> None:
-    try:
-        uploads.check_open(upload)
-    except UpdateError as exc:
-        raise _api_error(exc) from exc
-
-
-def _api_error(exc: UpdateError) -> APIError:
-    kind = "not_found_error" if exc.status == 404 else "conflict_error"
-    return APIError(exc.status, str(exc), type=kind, code=exc.code)
+        write_all(fd, memoryview(chunk))
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -18,14 +18,7 @@ import anyio
 import anyio.abc
 
 from ..engine.client import EngineClient, PartsUpdate
-
-
-class UpdateError(Exception):
-    """An update that cannot be found (``status`` 404) or a second one (409)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
+from .errors import APIError
 
 
 class UploadsStopped(Exception):
@@ -80,12 +73,13 @@ class WeightUploads:
                     await self.abort(self._open, "the server stopped")
 
     async def begin(self, kept_kv: Literal["recompute", "reuse"]) -> Upload:
-        """Open an update; raises ``UpdateError`` (409) while one is open, or the engine's error."""
+        """Open an update; ``APIError`` 409 while one is open, or the engine's error."""
         if self._tg is None:
             raise UploadsStopped("the server is not taking weight updates")
         if self._open is not None or self._opening:
             open_id = self._open.id if self._open else "being opened"
-            raise UpdateError(409, "update_open", f"a weight update is open already ({open_id})")
+            message = f"a weight update is open already ({open_id})"
+            raise APIError(409, message, type="conflict_error", code="update_open")
         self._opening = True
         try:
             update = self.engine.weight_update(kept_kv=kept_kv)
@@ -98,18 +92,19 @@ class WeightUploads:
         return upload
 
     def get(self, update_id: str) -> Upload:
-        """The update of that id, open or recently ended; ``UpdateError`` 404 otherwise."""
+        """The update of that id, open or recently ended; ``APIError`` 404 otherwise."""
         upload = self._open if self._open and self._open.id == update_id else None
         upload = upload or self._recent.get(update_id)
         if upload is None:
-            raise UpdateError(404, "update_not_found", f"no weight update {update_id!r}")
+            message = f"no weight update {update_id!r}"
+            raise APIError(404, message, type="not_found_error", code="update_not_found")
         return upload
 
     def check_open(self, upload: Upload) -> None:
         if upload.state != "open":
             why = f": {upload.reason}" if upload.reason else ""
             message = f"weight update {upload.id} is {upload.state}{why}"
-            raise UpdateError(409, f"update_{upload.state}", message)
+            raise APIError(409, message, type="conflict_error", code=f"update_{upload.state}")
 
     def receiving(self, upload: Upload) -> _Receiving:
         """A block while a part's body arrives: the update does not time out meanwhile."""
