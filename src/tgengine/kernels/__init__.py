@@ -51,7 +51,9 @@ _SOURCES = tuple(
         "paged_attention_avx512.cpp",
     )
 )
-_HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "pair_panels.h"))
+_HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("simd.h", "pair_panels.h", "paged_decode_items.h")
+)
 # Flags of some sources beyond _FLAGS. The AVX-512 ones are built for an ISA beyond the
 # machine's own (-march=native): their code runs only where the CPU has it (each says how it
 # is guarded), so one build serves every variant. The portable pair-panel twin keeps its sums

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "paged_decode_items.h"
 #include "simd.h"
 
 extern "C" int tg_use_avx512_bf16(int on);  // pair_panels.cpp
@@ -320,47 +321,35 @@ void attend_tiles(const T* q, const T* keys, const T* values, const int64_t* tab
 }
 #endif
 
+// Each thread's scratch: attend_one's scores, and attend_tiles' buffers where it builds.
+struct Scratches {
+  std::vector<float> scores;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  Scratch tiles;
+#endif
+};
+
 template <typename T, int D>
 int run(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out,
         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
         int64_t block_size, int64_t table_width, int64_t window, float scale, int threads) {
   const int groups = static_cast<int>(num_heads / num_kv_heads);
-  if (groups > 8 || groups * num_kv_heads != num_heads) return 1;
   const int64_t block_stride = block_size * D;
-  const int64_t head_stride = num_blocks * block_stride;
-  const int64_t values_offset = num_kv_heads * head_stride;
-  const int64_t items = num_seqs * num_kv_heads;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores;
+  return tg_decode::for_each_item<T, D, Scratches>(
+      cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, num_blocks, block_size,
+      table_width, window, threads, [&](Scratches& s, const tg_decode::Item& it) {
+        const T* keys = static_cast<const T*>(it.keys);
+        const T* values = static_cast<const T*>(it.values);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    Scratch scratch;
+        if constexpr (!std::is_same_v<T, float>) {
+          attend_tiles<T, D>(q + it.offset, keys, values, it.table, it.start, it.len,
+                             block_size, block_stride, groups, scale, out + it.offset, s.tiles);
+          return;
+        }
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t start = window > 0 && len > window ? len - window : 0;
-      const int64_t offset = (seq * num_heads + head * groups) * D;
-      if (len <= 0) {
-        for (int64_t i = 0; i < groups * D; ++i) from_float(0.f, out + offset + i);
-        continue;
-      }
-      const T* keys = cache + head * head_stride;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      if constexpr (!std::is_same_v<T, float>) {
-        attend_tiles<T, D>(q + offset, keys, keys + values_offset, tables + seq * table_width,
-                           start, len, block_size, block_stride, groups, scale, out + offset,
-                           scratch);
-        continue;
-      }
-#endif
-      attend_one<T, D>(q + offset, keys, keys + values_offset, tables + seq * table_width,
-                       start, len, block_size, block_stride, groups, scale, out + offset,
-                       scores);
-    }
-  }
-  return 0;
+        attend_one<T, D>(q + it.offset, keys, values, it.table, it.start, it.len, block_size,
+                         block_stride, groups, scale, out + it.offset, s.scores);
+      });
 }
 
 template <typename T>

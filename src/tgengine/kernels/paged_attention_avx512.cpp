@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "paged_decode_items.h"
 #include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -195,30 +196,13 @@ int run(const uint16_t* q, const uint16_t* cache, const int64_t* tables, const i
         int64_t num_blocks, int64_t block_size, int64_t table_width, int64_t window,
         float scale, int threads) {
   const int groups = static_cast<int>(num_heads / num_kv_heads);
-  if (groups > 8 || groups * num_kv_heads != num_heads) return 1;
-  const int64_t block_stride = block_size * D;
-  const int64_t head_stride = num_blocks * block_stride;
-  const int64_t values_offset = num_kv_heads * head_stride;
-  const int64_t items = num_seqs * num_kv_heads;
-#pragma omp parallel num_threads(threads)
-  {
-    Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t start = window > 0 && len > window ? len - window : 0;
-      const int64_t offset = (seq * num_heads + head * groups) * D;
-      if (len <= 0) {
-        for (int64_t i = 0; i < groups * D; ++i) tg::from_float(0.f, out + offset + i);
-        continue;
-      }
-      const uint16_t* keys = cache + head * head_stride;
-      attend<D>(q + offset, keys, keys + values_offset, tables + seq * table_width, start, len,
-                block_size, block_stride, groups, scale, out + offset, scratch);
-    }
-  }
-  return 0;
+  return tg_decode::for_each_item<uint16_t, D, Scratch>(
+      cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, num_blocks, block_size,
+      table_width, window, threads, [&](Scratch& scratch, const tg_decode::Item& it) {
+        attend<D>(q + it.offset, static_cast<const uint16_t*>(it.keys),
+                  static_cast<const uint16_t*>(it.values), it.table, it.start, it.len,
+                  block_size, block_size * D, groups, scale, out + it.offset, scratch);
+      });
 }
 
 }  // namespace
