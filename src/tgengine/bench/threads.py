@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import BenchSetup
+from .tables import table
 
 _MARK = "tgengine-bench-threads:"
 SLOWER_BOUND = 0.05  # a default start may be this much slower than the best fixed count
@@ -132,19 +132,6 @@ def _run_child(command: list[str], timeout: float) -> dict[str, Any]:
     return got
 
 
-class _ThreadCount(logging.Handler):
-    """Catches the count the engine measured (``cpu_threads``' log line)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.count: int | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args
-        if record.msg == "torch threads: %d (GFLOP/s by count: %s)" and isinstance(args, tuple):
-            self.count = int(str(args[0]))
-
-
 def _child(argv: list[str]) -> None:
     import anyio
 
@@ -164,10 +151,6 @@ def _child(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    caught = _ThreadCount()
-    logger = logging.getLogger("tgengine.agent.cpu_threads")
-    logger.addHandler(caught)
-    logger.setLevel(logging.INFO)
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device="cpu", num_threads=args.threads
     )
@@ -181,10 +164,23 @@ def _child(argv: list[str]) -> None:
             await warm_up(engine)
             wall, _ = await run_all(engine, requests, progress=False)
         tokens = sum(r.max_tokens for r in requests)
-        threads = args.threads if args.threads is not None else caught.count
-        return {"threads": threads, "out_tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+        return {"out_tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
 
-    print(_MARK + json.dumps(anyio.run(serve)), flush=True)
+    got = anyio.run(serve)
+    got["threads"] = args.threads or _measured_count(args.dtype)
+    print(_MARK + json.dumps(got), flush=True)
+
+
+def _measured_count(dtype: str) -> int:
+    """The count this process's engine measured at its start (``default_thread_count``
+    keeps it, once per process and dtype: asking again measures nothing)."""
+    import torch
+
+    from ..agent.cpu_threads import default_thread_count
+
+    if default_thread_count.cache_info().currsize == 0:
+        raise RuntimeError("the engine did not measure its thread count in this process")
+    return default_thread_count(getattr(torch, dtype))
 
 
 if __name__ == "__main__":
@@ -192,8 +188,6 @@ if __name__ == "__main__":
 
 
 def render(result: dict[str, Any]) -> str:
-    from .tables import table
-
     out = table(
         result["rows"],
         [

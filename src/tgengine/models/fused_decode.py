@@ -6,7 +6,7 @@ row is a decode row attended by the paged kernel (``CausalLM.forward`` decides, 
 Where a layer's four products are packed into panels (bf16/fp16 on AVX2, bf16 pair panels
 on AVX-512 BF16, or int8), consecutive such layers run in one call
 (``kernels.decode_layer.run_layers``). Where they are not (oneDNN's layout: fp16 on AVX-512,
-or ``TGENGINE_PAIR_PANELS=0``; plain weights), the layer is *glued*: its products run
+or ``TGENGINE_AVX512_BF16=0``; plain weights), the layer is *glued*: its products run
 through ``Gemm.linear`` and everything between them in four compiled calls
 (``kernels.decode_layer.glue``), instead of the layer's forward (its Python made a tenth of
 a batch-1 step). Both give the layer-by-layer path's bits. Any other layer takes its forward.

@@ -50,7 +50,7 @@ class AuthMiddleware:
         is_admin = path in self.admin_paths or path.startswith(self.admin_prefixes)
         if self.admin_key is not None and is_admin:
             allowed: tuple[str | None, ...] = (self.admin_key,)
-        elif scope["path"] in self.open_paths:
+        elif path in self.open_paths:
             allowed = ()
         elif self.api_key is not None:
             allowed = (self.api_key, self.admin_key)
