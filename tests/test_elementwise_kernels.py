@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from kernel_helpers import avx512_bf16
 from test_model_fast_paths import _prefill_then_decode, _prompts, assert_same_argmax
 from tgengine import kernels
 from tgengine.kernels import elementwise
@@ -30,6 +29,7 @@ from tgengine.models.loader import iter_stored, load_weights
 from tgengine.models.rope import apply_rotary
 from tgengine.models.weights import copy_weights, drop_packed, pack_weights
 
+from kernel_helpers import avx512_bf16
 from model_factory import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(

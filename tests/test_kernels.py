@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_helpers import avx512_bf16
 from tgengine import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
+
+from kernel_helpers import avx512_bf16
 
 pytestmark = pytest.mark.skipif(
     not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),

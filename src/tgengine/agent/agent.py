@@ -41,6 +41,7 @@ from ..sample.step_sampler import sample_step
 from .compute_thread import ComputeThread
 from .cpu_threads import available_cores, default_thread_count
 from .inputs import prepare_inputs
+from .packed_parts import PanelGroup, PendingPanels, apply_pending, dense_named, merge_groups
 from .staged_weights import apply_staged, merge_staged, rebuild_from_staged
 from .weight_checks import check_named
 
@@ -107,6 +108,8 @@ class ModelAgent:
         self._host_weights: dict[str, torch.Tensor] | None = None
         self._weights_resident = False
         self._staged: dict[str, torch.Tensor] = {}  # committed while asleep (staged_weights)
+        self._pending = PendingPanels()  # the open update's parts, packed (level 2 asleep)
+        self._staged_panels: dict[int, PanelGroup] = {}  # committed packed parts (level 2)
         self._specs: dict[str, tuple[torch.Size, torch.dtype]] = {}  # full (checkpoint) shapes
         self._local_shapes: dict[str, torch.Size] = {}  # this rank's shards
         self._info: AgentInfo | None = None
@@ -183,6 +186,20 @@ class ModelAgent:
         if self._weights_resident:
             raise RuntimeError("stage_weights while the weights are resident")
         merge_staged(self._staged, named)
+
+    async def absorb_part(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """Pack the open update's checked tensors into new weights now, where the weights
+        sleep at level 2 and the weight is pair panels (``packed_parts``); the names taken
+        (none otherwise). ``InvalidRequestError`` for a tensor not finite."""
+        return await self._in_thread(self._absorb, named)
+
+    async def settle_absorbed(self, names: list[str]) -> None:
+        """Commit what ``absorb_part`` took of ``names`` (nothing else of it applies)."""
+        await self._in_thread(self._settle, names)
+
+    def drop_absorbed(self) -> None:
+        """The open update ended without a commit: forget what was absorbed."""
+        self._pending.clear()
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         device = self._info.device if self._info else "cpu"
@@ -395,9 +412,14 @@ class ModelAgent:
             return False
         device = torch.device(self._info.device)
         reloaded = self._host_weights is None
-        if reloaded and self._staged:  # level 2, and an update committed since
+        if reloaded and (self._staged or self._staged_panels):  # level 2, updated since
             reloaded = rebuild_from_staged(
-                self._model, self._staged, self._local_shapes, device, self.config.model
+                self._model,
+                self._staged,
+                self._staged_panels,
+                self._local_shapes,
+                device,
+                self.config.model,
             )
             pack_weights(self._model)
         elif reloaded:
@@ -413,6 +435,22 @@ class ModelAgent:
         self._host_weights = None
         self._weights_resident = True
         return reloaded
+
+    def _absorb(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        level_2 = not self._weights_resident and self._host_weights is None
+        if self._model is None or not level_2:
+            return []
+        return self._pending.absorb(self._model, self._local_shapes, named)
+
+    def _settle(self, names: list[str]) -> None:
+        assert self._model is not None
+        groups = self._pending.take(names, self._model)
+        if self._weights_resident:
+            apply_pending(self._model, groups)
+        elif self._host_weights is None:
+            merge_groups(self._staged_panels, groups)
+        else:  # asleep at level 1 since: the plain path, at its wakeup
+            merge_staged(self._staged, dense_named(self._model, groups))
 
     def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Check every tensor, then copy them all (a trainer's ``state_dict()`` as it is).
@@ -438,6 +476,8 @@ class ModelAgent:
         self._host_weights = None
         self._weights_resident = False
         self._staged.clear()
+        self._staged_panels.clear()
+        self._pending.clear()
         self._generators.clear()
         _free_device_memory()
 

@@ -5,7 +5,8 @@ the committed tensors (``Engine.weight_update`` made them private copies, in eac
 parameter's dtype and on its device) and its next ``wakeup("weights")`` builds the
 parameters from them: at level 2 a staged tensor that is exactly the parameter (its shard's
 shape, dtype, device, contiguous) *becomes* the parameter, with no second copy, and only
-the names nobody pushed are read from the model directory.
+the names nobody pushed are read from the model directory. Linear weights packed as their
+parts arrived (``packed_parts``) become their weights as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ..errors import ModelLoadError
 from ..models import CausalLM, iter_stored, load_weights
 from ..models.weights import copy_weights
+from .packed_parts import PanelGroup, install_staged_panels
 
 
 def merge_staged(
@@ -30,20 +32,31 @@ def merge_staged(
 def rebuild_from_staged(
     model: CausalLM,
     staged: dict[str, torch.Tensor],
+    staged_panels: dict[int, PanelGroup],
     local_shapes: dict[str, torch.Size],
     device: torch.device,
     model_dir: str,
 ) -> bool:
     """Level-2 wakeup with staged weights: adopt what fits, read the rest from ``model_dir``.
 
-    Consumes ``staged``. Returns True when any parameter was read from the model directory.
+    ``staged_panels``: linear weights packed as their parts arrived (``packed_parts``);
+    they become those weights, and the parameters they do not cover are written into them.
+    Consumes both. Returns True when any parameter was read from the model directory.
     """
     params = dict(model.named_parameters())
+    packed = {  # parameter ids the staged panels hold, unless a later part staged them plain
+        id(g.weights.params[i]) for g in staged_panels.values() for i in g.covered
+    }
     pushed: set[str] = set()
     shards: list[tuple[str, torch.Tensor]] = []
     for name, p in params.items():
         shape = local_shapes[name]
         tensor = staged.pop(name, None)
+        if tensor is None and id(p) in packed:
+            pushed.add(name)  # a placeholder of its shape, as a packed weight's
+            p.data = torch.zeros((), dtype=p.dtype, device=device).expand(shape)
+            continue
+        packed.discard(id(p))
         if tensor is not None:
             pushed.add(name)
             if _fits(tensor, shape, p.dtype, p.device):  # the placeholder's: cuda:0, not cuda
@@ -52,6 +65,8 @@ def rebuild_from_staged(
             shards.append((name, tensor))  # a rank's shard of it: copied below
         p.data = torch.empty(shape, dtype=p.dtype, device=device)
     staged.clear()
+    for group in staged_panels.values():
+        group.covered = {i for i in group.covered if id(group.weights.params[i]) in packed}
     missing = set(params) - pushed
     if missing:
         stored = ((n, t) for n, t in iter_stored(model_dir) if n in missing)
@@ -59,6 +74,7 @@ def rebuild_from_staged(
         if missing - loaded:
             raise ModelLoadError(model_dir, f"missing tensor {sorted(missing - loaded)[0]!r}")
     copy_weights(model, shards)
+    install_staged_panels(model, staged_panels, {id(p): p.data for p in params.values()})
     return bool(missing)
 
 

@@ -23,7 +23,7 @@ from ..errors import (
     InvalidRequestError,
 )
 from ..executor import Executor, make_executor
-from ..executor.base import StagesWeights
+from ..executor.base import AbsorbsParts, StagesWeights
 from ..outputs import FinishReason, RequestOutput
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
@@ -338,8 +338,16 @@ class Engine:
             raise IllegalStateError("update weights", str(self._state))
         # an executor in another process takes the tensors from the host
         device = torch.device(info.device if isinstance(self._executor, StagesWeights) else "cpu")
+        executor = self._executor
+        absorber = _ExecutorAbsorber(self, executor) if isinstance(executor, AbsorbsParts) else None
         return WeightUpdate(
-            info.weight_specs, device, kept_kv, self._updates, self._check_update, self._commit
+            info.weight_specs,
+            device,
+            kept_kv,
+            self._updates,
+            self._check_update,
+            self._commit,
+            absorber,
         )
 
     def _check_update(self, kept_kv: KeptKV) -> str:
@@ -351,11 +359,13 @@ class Engine:
             raise InvalidRequestError("kept_kv", reason)
         return str(self._state)
 
-    async def _commit(self, named: Named, kept_kv: KeptKV) -> None:
+    async def _commit(self, named: Named, kept_kv: KeptKV, absorbed: list[str]) -> None:
         async with self._control_lock:
             self._check_update(kept_kv)
             stage = "weights" in self._sleeping_tags  # _check_update: the executor stages
-            await self._loop.apply_weights(named, stage=stage, recompute=kept_kv == "recompute")
+            await self._loop.apply_weights(
+                named, stage=stage, recompute=kept_kv == "recompute", absorbed=absorbed
+            )
 
     def _require(self, action: str, *allowed: EngineState) -> None:
         if self._state not in allowed:
@@ -432,3 +442,18 @@ class _LoopOwner:
 
     def loop_failed(self, cause: BaseException) -> None:
         self._engine._die(cause)
+
+
+class _ExecutorAbsorber:
+    """An update's parts packed by the executor as they arrive, while the weights sleep."""
+
+    def __init__(self, engine: Engine, executor: AbsorbsParts) -> None:
+        self._engine, self._executor = engine, executor
+
+    async def absorb(self, named: Named) -> list[str]:
+        if "weights" not in self._engine.sleeping_tags:
+            return []
+        return await self._executor.absorb_part(named)
+
+    def drop(self) -> None:
+        self._executor.drop_absorbed()

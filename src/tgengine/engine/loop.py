@@ -22,7 +22,7 @@ from ..core.sequence import Sequence
 from ..core.step import SeqStep, StepBatch, StepResult
 from ..errors import StepTimeoutError
 from ..executor import Executor
-from ..executor.base import StagesWeights
+from ..executor.base import AbsorbsParts, StagesWeights
 from ..outputs import FinishReason
 from ..stats import Counters, EngineStats
 from ..structured_outputs import bitmasks
@@ -178,12 +178,23 @@ class EngineLoop:
             if await self.executor.wakeup(tag):
                 self.weight_version += 1
 
-    async def apply_weights(self, named: list[Any], *, stage: bool, recompute: bool) -> None:
+    async def apply_weights(
+        self,
+        named: list[Any],
+        *,
+        stage: bool,
+        recompute: bool,
+        absorbed: tuple[str, ...] | list[str] = (),
+    ) -> None:
         """Apply ``named`` weights between two steps, whole (shielded once begun); then
         ``weights_changed``. ``stage``: the weights sleep; the executor keeps the tensors
-        for their wakeup (``StagesWeights``)."""
+        for their wakeup (``StagesWeights``). ``absorbed``: names the executor packed as
+        their parts came (``AbsorbsParts``), settled first (``named`` is later)."""
         async with self._step_lock:
             with anyio.CancelScope(shield=True):
+                if absorbed:
+                    assert isinstance(self.executor, AbsorbsParts)
+                    await self.executor.settle_absorbed(list(absorbed))
                 if stage:
                     assert isinstance(self.executor, StagesWeights)
                     await self.executor.stage_weights(named)

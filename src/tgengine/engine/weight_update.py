@@ -11,18 +11,31 @@ import enum
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Protocol
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from ..agent.weight_checks import WeightSpecs, check_finite, check_named
 from ..errors import IllegalStateError, InvalidRequestError
 from ..ipc.weights_file import map_weights
 from ..models import iter_safetensors
+from ..runtime import huge_pages
 
 KeptKV = Literal["recompute", "reuse"]
 Named = list[tuple[str, torch.Tensor]]
+
+
+class Absorber(Protocol):
+    """Where an update's parts can become weights as they arrive (the weights asleep at
+    level 2: ``agent.packed_parts``): ``absorb`` packs what it can of a checked part and
+    says which names it took (``InvalidRequestError`` for one not finite: then none count);
+    the commit settles the names taken; ``drop`` forgets them (no commit)."""
+
+    async def absorb(self, named: Named) -> list[str]: ...
+
+    def drop(self) -> None: ...
 
 
 class UpdateSlot:
@@ -85,7 +98,8 @@ class WeightUpdate:
         kept_kv: KeptKV,
         slot: UpdateSlot,
         check: Callable[[KeptKV], str],
-        commit: Callable[[Named, KeptKV], Awaitable[None]],
+        commit: Callable[[Named, KeptKV, list[str]], Awaitable[None]],
+        absorber: Absorber | None = None,
     ) -> None:
         if kept_kv not in ("recompute", "reuse"):
             raise InvalidRequestError("kept_kv", f"must be 'recompute' or 'reuse', got {kept_kv!r}")
@@ -94,16 +108,19 @@ class WeightUpdate:
         self.kept_kv: KeptKV = kept_kv
         self._slot, self._check, self._commit = slot, check, commit
         self._staged: dict[str, torch.Tensor] = {}
+        self._absorber = absorber
+        self._absorbed: set[str] = set()  # names the executor packed as their parts came
         self._phase = _Phase.NEW
         self._lock = anyio.Lock()  # pushes stage one at a time
 
     @property
     def num_staged(self) -> int:
-        """How many tensors are staged so far."""
-        return len(self._staged)
+        """How many tensors are staged so far (absorbed ones included)."""
+        return len(self._staged) + len(self._absorbed)
 
     @property
     def staged_bytes(self) -> int:
+        """Bytes staged here (not counting what the executor absorbed)."""
         return sum(t.nbytes for t in self._staged.values())
 
     async def __aenter__(self) -> WeightUpdate:
@@ -123,16 +140,19 @@ class WeightUpdate:
         tb: TracebackType | None,
     ) -> None:
         staged, self._staged = self._staged, {}
+        absorbed, self._absorbed = sorted(self._absorbed), set()
         try:
             if exc_type is None:
                 self._phase = _Phase.COMMITTED
-                await self._commit(list(staged.items()), self.kept_kv)
+                await self._commit(list(staged.items()), self.kept_kv, absorbed)
         except BaseException:
             self._phase = _Phase.ABANDONED
             raise
         finally:
             if self._phase is _Phase.OPEN:
                 self._phase = _Phase.ABANDONED
+            if self._phase is _Phase.ABANDONED and self._absorber is not None:
+                self._absorber.drop()
             staged.clear()
             self._slot.let_go(self)
 
@@ -174,14 +194,29 @@ class WeightUpdate:
             )
         part = check_named(self._specs, list(named))
         async with self._lock:
-            staged = await anyio.to_thread.run_sync(self._convert, part, copy)
+            taken: set[str] = set()
+            fresh = [(n, t) for n, t in part if n not in self._absorbed]
+            if self._absorber is not None and fresh:
+                with anyio.CancelScope(shield=True):  # the executor's thread runs to its end
+                    taken = set(await self._absorber.absorb(fresh))
+                await anyio.lowlevel.checkpoint_if_cancelled()  # then nothing of it counts
+            rest = [(n, t) for n, t in part if n not in taken]
+            staged = await anyio.to_thread.run_sync(self._convert, rest, copy)
             if self._phase is _Phase.OPEN:  # not ended while the part was converted
+                for name in taken:
+                    self._staged.pop(name, None)  # pushed before, the plain way: replaced
+                self._absorbed |= taken
                 self._staged.update(staged)
 
     def _convert(self, part: Named, copy: bool) -> dict[str, torch.Tensor]:
         staged: dict[str, torch.Tensor] = {}
+        on_cpu = self._device.type == "cpu"
         for name, tensor in part:
-            dtype = self._specs[name][1]
-            staged[name] = tensor.detach().to(self._device, dtype, copy=copy).contiguous()
+            dtype, t = self._specs[name][1], tensor.detach()
+            if on_cpu and t.device.type == "cpu" and (copy or t.dtype != dtype):
+                staged[name] = huge_pages.empty(*t.shape, dtype=dtype)  # faults 2 MiB a time
+                staged[name].copy_(t)
+            else:
+                staged[name] = t.to(self._device, dtype, copy=copy).contiguous()
             check_finite(name, staged[name])
         return staged

@@ -56,3 +56,17 @@ class StagesWeights(Protocol):
     the tensors wait for the next ``wakeup("weights")``, which builds the weights from them."""
 
     async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
+
+
+@runtime_checkable
+class AbsorbsParts(Protocol):
+    """An executor that packs a weight update's parts as they arrive while its weights sleep
+    at level 2 (``UniExecutor``; ``agent.packed_parts``), so that the parts need not wait
+    whole for the commit: ``absorb_part`` returns the names it took, ``settle_absorbed``
+    commits them, ``drop_absorbed`` forgets them."""
+
+    async def absorb_part(self, named: list[tuple[str, torch.Tensor]]) -> list[str]: ...
+
+    async def settle_absorbed(self, names: list[str]) -> None: ...
+
+    def drop_absorbed(self) -> None: ...

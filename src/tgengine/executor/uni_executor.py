@@ -44,5 +44,14 @@ class UniExecutor:
     async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         await self.agent.stage_weights(named)
 
+    async def absorb_part(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        return await self.agent.absorb_part(named)
+
+    async def settle_absorbed(self, names: list[str]) -> None:
+        await self.agent.settle_absorbed(names)
+
+    def drop_absorbed(self) -> None:
+        self.agent.drop_absorbed()
+
     def memory_stats(self) -> dict[str, MemoryStats]:
         return self.agent.memory_stats()

@@ -48,6 +48,7 @@ _SOURCES = tuple(
         "argmax.cpp",
         "pair_panels.cpp",
         "pair_panels_avx512.cpp",
+        "pair_panel_rows.cpp",
         "paged_attention_avx512.cpp",
     )
 )
@@ -141,6 +142,9 @@ def load() -> ctypes.CDLL | None:
     for fn in (lib.tg_pair_panel_linear, lib.tg_pair_panel_linear_avx512):
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
+    fn = lib.tg_pair_panel_write_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, ctypes.c_int]
     lib.tg_cpu_has_avx512_bf16.restype = ctypes.c_int
     lib.tg_use_avx512_bf16.restype = ctypes.c_int
     lib.tg_use_avx512_bf16.argtypes = [ctypes.c_int]

@@ -15,10 +15,12 @@ AVX-512 BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode re
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from tgengine import kernels
+from tgengine.runtime import huge_pages
 
 PANEL = 16
 VARIANTS = ("avx512_bf16", "portable")
@@ -29,11 +31,73 @@ def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 ``[n, k]`` weight as ``[ceil(n / 16), ceil(k / 2), 16, 2]`` (zero-padded)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError("pack_pair_panels: a 2-D bfloat16 weight")
-    n, k = weight.shape
-    rows, cols = -(-n // PANEL) * PANEL, k + k % 2
-    padded = weight.new_zeros(rows, cols)
-    padded[:n, :k] = weight
-    return padded.view(rows // PANEL, PANEL, cols // 2, 2).transpose(1, 2).contiguous()
+    return pack_pair_panel_blocks([weight])
+
+
+def pack_pair_panel_blocks(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bf16 row blocks ``blocks`` (each ``[n_i, k]``), one above the other, packed as
+    ``pack_pair_panels`` packs their concatenation, without making it: each block is written
+    into the panels from where it is (``write_pair_panel_rows``)."""
+    rows = sum(int(b.shape[0]) for b in blocks)
+    cols = int(blocks[0].shape[1])
+    panels = empty_pair_panels(rows, cols, blocks[0].device)
+    row0 = 0
+    for block in blocks:
+        write_pair_panel_rows(panels, block, row0)
+        row0 += int(block.shape[0])
+    return panels
+
+
+def empty_pair_panels(rows: int, cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Pair panels for a ``[rows, cols]`` weight, their padding zero and the rest unset."""
+    panels = huge_pages.empty(
+        -(-rows // PANEL), -(-cols // 2), PANEL, 2, dtype=torch.bfloat16, device=device
+    )
+    if rows % PANEL:
+        panels[-1, :, rows % PANEL :].zero_()
+    if cols % 2:
+        panels[:, -1, :, 1].zero_()
+    return panels
+
+
+def write_pair_panel_rows(panels: torch.Tensor, rows: torch.Tensor, row0: int) -> bool:
+    """Write ``rows`` (``[r, k]``, any float dtype: cast to bf16) as rows ``row0 ..
+    row0 + r - 1`` of the weight ``panels`` holds, in place; False when some value was not
+    finite (it is written all the same). In one pass where the kernels load."""
+    num_panels, pairs, width, _ = panels.shape
+    r, k = rows.shape
+    if pairs != -(-k // 2) or row0 < 0 or row0 + r > num_panels * width:
+        raise ValueError(f"write_pair_panel_rows: {r}x{k} at row {row0} into {tuple(panels.shape)}")
+    rows = rows.to(torch.bfloat16)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    lib = kernels.load()
+    if lib is None or panels.device.type != "cpu" or not panels.is_contiguous():
+        return _write_rows_torch(panels, rows, row0)
+    status = lib.tg_pair_panel_write_rows(
+        rows.data_ptr(),
+        r,
+        k,
+        rows.stride(0),
+        panels.data_ptr(),
+        pairs,
+        row0,
+        torch.get_num_threads(),
+    )
+    if status == 2:
+        raise ValueError(f"tg_pair_panel_write_rows refused {r}x{k} into {tuple(panels.shape)}")
+    return status == 0
+
+
+def _write_rows_torch(panels: torch.Tensor, rows: torch.Tensor, row0: int) -> bool:
+    r, k = rows.shape
+    full = panels.transpose(1, 2).reshape(panels.shape[0] * PANEL, -1)  # a copy
+    full[row0 : row0 + r, :k] = rows
+    if k % 2:
+        full[row0 : row0 + r, k] = 0
+    packed = full.view(panels.shape[0], PANEL, -1, 2).transpose(1, 2)
+    panels.copy_(packed)
+    return bool(torch.isfinite(rows).all())
 
 
 def unpack_pair_panels(panels: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

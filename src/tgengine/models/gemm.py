@@ -132,6 +132,11 @@ class Panels:
         )
 
 
+def data_rows(blocks: Sequence[torch.Tensor]) -> int:
+    """The rows of ``blocks`` one above the other."""
+    return sum(int(b.shape[0]) for b in blocks)
+
+
 def _nbytes(packed: torch.Tensor | Panels) -> int:
     if isinstance(packed, Panels):
         scales = packed.scales
@@ -278,23 +283,45 @@ class Gemm:
             return
         packed: torch.Tensor | Panels
         with torch.inference_mode(False), torch.no_grad():
+            if form == "pairs":  # packed from each module's weight where it is: no plain copy
+                blocks = [p.detach() for p in weights.params]
+                data = pair_panels.pack_pair_panel_blocks(blocks)
+                packed = Panels(data, data_rows(blocks), pair_cols=int(blocks[0].shape[1]))
+                self.install(weights, packed)
+                return
             plain = weights.plain().detach()
             if form == "int8":
                 data, scales = kernels.quantize_panels(plain)
                 packed = Panels(data, int(plain.shape[0]), scales, plain.dtype)
             elif form == "onednn":
                 packed = torch.ops.mkldnn._reorder_linear_weight(plain)
-            elif form == "pairs":
-                data = pair_panels.pack_pair_panels(plain)
-                packed = Panels(data, int(plain.shape[0]), pair_cols=int(plain.shape[1]))
             else:
                 packed = Panels(kernels.pack_panels(plain), rows=int(plain.shape[0]))
             del plain
-            for p in weights.params:
-                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            self.install(weights, packed)
+
+    def install(self, weights: LinearWeights, packed: torch.Tensor | Panels) -> None:
+        """``packed`` becomes the weight; the parameters keep placeholders of their shape."""
+        for p in weights.params:
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
         weights.packed = packed
         self.packed_bytes += _nbytes(packed)
         self.generation += 1
+
+    def write_rows(self, weights: LinearWeights, index: int, tensor: torch.Tensor) -> bool:
+        """Write ``tensor`` as the value of ``weights.params[index]`` straight into the packed
+        form, in place, where that form takes rows (pair panels); False where it does not
+        (then unpack, write and pack again). The pointers the one-call decode holds stay
+        valid: the form does not move."""
+        packed = weights.packed
+        if not isinstance(packed, Panels) or packed.pair_cols is None:
+            return False
+        params = weights.params
+        row0 = data_rows(params[:index])
+        if tuple(tensor.shape) != tuple(params[index].shape):
+            raise ValueError(f"write_rows: {tuple(tensor.shape)} into {tuple(params[index].shape)}")
+        pair_panels.write_pair_panel_rows(packed.data, tensor, row0)
+        return True
 
     def unpack(self, weights: LinearWeights) -> None:
         """Give the parameters their plain values back (exact; int8 panels: dequantized) and

@@ -15,6 +15,7 @@ import torch
 
 from tgengine.models.causal_lm import CausalLM
 from tgengine.models.gemm import LinearWeights
+from tgengine.models.shard import Shard
 
 
 def pack_weights(model: CausalLM) -> None:
@@ -31,24 +32,37 @@ def drop_packed(model: CausalLM) -> None:
 
 def copy_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy full tensors into the parameters named (validated by the caller), packed ones
-    included; a sharded parameter takes its shard (``CausalLM.weight_shards``)."""
+    included; a sharded parameter takes its shard (``CausalLM.weight_shards``). A packed form
+    that takes rows (pair panels) is written in place; any other is unpacked, written and
+    packed again."""
     params = dict(model.named_parameters())
     shards = model.weight_shards
-    owner: dict[int, LinearWeights] = {}
+    owner: dict[int, tuple[LinearWeights, int]] = {}
     for weights in model.linear_weights():
-        for p in weights.params:
-            owner[id(p)] = weights
+        for index, p in enumerate(weights.params):
+            owner[id(p)] = (weights, index)
     repack: list[LinearWeights] = []
     with torch.no_grad():
         for name, tensor in named:
             param = params[name]
-            packed = owner.get(id(param))
+            packed, index = owner.get(id(param), (None, 0))
             if packed is not None and packed.packed is not None:
+                if model.gemm.write_rows(packed, index, _local(shards[name], tensor, param)):
+                    continue
                 model.gemm.unpack(packed)
                 repack.append(packed)
             shards[name].copy_into(tensor, param.data)
     for weights in repack:
         model.gemm.pack(weights)
+
+
+def _local(shard: Shard, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``: ``full`` itself at world size 1, else a copy."""
+    if shard.dim is None:
+        return full
+    local = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    shard.copy_into(full, local)
+    return local
 
 
 def resident_bytes(model: CausalLM) -> int:

@@ -1,0 +1,68 @@
+// Writing rows of a bf16 weight into its pair panels in place ([ceil(n / 16)][pairs][16][2],
+// pair_panels.h), so that a weight update or a wakeup packs straight from the tensors it is
+// given: no plain copy of the whole weight, no padded one, no transposed one. Each thread
+// takes whole panels; within one, 16 pairs of its 16 rows at a time, a 16 x 16 transpose of
+// 32-bit words, so that each 64-byte line of the panel is written whole, once.
+// It also says whether any value was not finite (a NaN or an infinity: exponent all ones),
+// which the update checks anyway, while the values pass through registers.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+inline bool finite(uint32_t pair) {
+  const uint32_t exp = 0x7f807f80u;
+  const uint32_t e = pair & exp;
+  return (e & 0x7f80u) != 0x7f80u && (e & 0x7f800000u) != 0x7f800000u;
+}
+
+}  // namespace
+
+// src: rows x cols bf16, row r at src + r * src_stride (elements); written as the panel rows
+// row0 .. row0 + rows - 1 of panels, whose pair count is pairs (>= ceil(cols / 2)). Past an
+// odd cols the last pair's second value is written 0. Other rows are left as they are.
+// Returns 0, 1 when some value was not finite (everything is written all the same), 2 for
+// shapes that do not fit.
+extern "C" int tg_pair_panel_write_rows(const void* src_, int64_t rows, int64_t cols,
+                                        int64_t src_stride, void* panels_, int64_t pairs,
+                                        int64_t row0, int threads) {
+  if (rows < 0 || cols < 1 || row0 < 0 || pairs < (cols + 1) / 2 || src_stride < cols) return 2;
+  if (rows == 0) return 0;
+  const auto* src = static_cast<const uint16_t*>(src_);
+  auto* panels = static_cast<uint32_t*>(panels_);
+  const int64_t full = cols / 2, first = row0 / kPanel, last = (row0 + rows - 1) / kPanel;
+  int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+  for (int64_t p = first; p <= last; ++p) {
+    const int64_t lo = std::max(row0, p * kPanel), hi = std::min(row0 + rows, (p + 1) * kPanel);
+    uint32_t* panel = panels + p * pairs * kPanel;
+    const int64_t n = hi - lo;
+    for (int64_t j0 = 0; j0 < full; j0 += kPanel) {
+      const int64_t w = std::min(kPanel, full - j0);
+      // 16 rows by up to 16 pairs, read row by row, written pair by pair (a transpose)
+      alignas(64) uint32_t tile[kPanel][kPanel];
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(tile[i], src + (lo - row0 + i) * src_stride + 2 * j0, w * sizeof(uint32_t));
+      uint32_t ok = 1;
+      for (int64_t j = 0; j < w; ++j) {
+        uint32_t* d = panel + (j0 + j) * kPanel + lo % kPanel;
+        for (int64_t i = 0; i < n; ++i) {
+          d[i] = tile[i][j];
+          ok &= finite(tile[i][j]);
+        }
+      }
+      bad |= !ok;
+    }
+    if (cols % 2) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const uint32_t pair = src[(r - row0) * src_stride + cols - 1];
+        panel[full * kPanel + r % kPanel] = pair;
+        bad |= !finite(pair);
+      }
+    }
+  }
+  return bad;
+}
