@@ -9,6 +9,7 @@ which weights sampled which tokens (``weight_versions``); a streamed chunk carri
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,12 @@ def body_of(named: list[tuple[str, torch.Tensor]], tmp_path: Path) -> bytes:
     file = tmp_path / f"part-{len(list(tmp_path.iterdir()))}.safetensors"
     write_weights_file(named, file)
     return file.read_bytes()
+
+
+async def pieces(body: bytes, size: int = 1000) -> AsyncIterator[bytes]:
+    """``body`` as a chunked request's pieces (httpx sends no Content-Length then)."""
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
 
 
 def parts_of(model_dir: Path, tmp_path: Path, size: int = 3) -> list[bytes]:
@@ -83,7 +90,9 @@ async def test_an_update_in_parts(tiny_llama_dir: Path, other_dir: Path, tmp_pat
                 second = await http.post(UPDATES)
                 assert (second.status_code, second.json()["error"]["code"]) == (409, "update_open")
                 for i, part in enumerate(parts):
-                    got = await http.post(f"{UPDATES}/{update_id}/parts", content=part)
+                    # with a length, or chunked (no length: the server gathers the pieces)
+                    body = part if i % 2 == 0 else pieces(part)
+                    got = await http.post(f"{UPDATES}/{update_id}/parts", content=body)
                     assert got.status_code == 200, got.text
                     assert got.json()["num_parts"] == i + 1
                     if i == 0:  # a bad part: 400 naming it, the update stays open

@@ -19,7 +19,7 @@ import torch
 
 from ..agent.weight_checks import WeightSpecs, check_finite, check_named
 from ..errors import IllegalStateError, InvalidRequestError
-from ..ipc.weights_file import map_weights
+from ..ipc.weights_file import read_weights, view_weights
 from ..models import iter_safetensors
 from ..runtime import huge_pages
 
@@ -59,11 +59,20 @@ def read_dir(path: str) -> Named:
     return list(iter_safetensors(path))
 
 
-def map_part(path: str) -> Named:
-    """The tensors of a pushed safetensors file, mapped (blocking); ``InvalidRequestError``
-    for a file that is not one."""
+def view_part(buffer: memoryview) -> Named:
+    """The tensors of a safetensors file in ``buffer``, as views of it; ``InvalidRequestError``
+    for bytes that are not one."""
     try:
-        return map_weights(path)
+        return view_weights(buffer)
+    except ValueError as exc:
+        raise InvalidRequestError("weights", f"not a safetensors file: {exc}") from exc
+
+
+def read_part(path: str, buffer: torch.Tensor | None) -> tuple[Named, torch.Tensor]:
+    """The tensors of a pushed safetensors file, read into ``buffer`` or a new one
+    (blocking); ``InvalidRequestError`` for a file that is not one."""
+    try:
+        return read_weights(path, buffer)
     except (OSError, ValueError) as exc:
         raise InvalidRequestError("weights", f"not a safetensors file: {exc}") from exc
 
@@ -110,6 +119,7 @@ class WeightUpdate:
         self._staged: dict[str, torch.Tensor] = {}
         self._absorber = absorber
         self._absorbed: set[str] = set()  # names the executor packed as their parts came
+        self._spare: torch.Tensor | None = None  # a part's memory, free for the next one
         self._phase = _Phase.NEW
         self._lock = anyio.Lock()  # pushes stage one at a time
 
@@ -141,6 +151,7 @@ class WeightUpdate:
     ) -> None:
         staged, self._staged = self._staged, {}
         absorbed, self._absorbed = sorted(self._absorbed), set()
+        self._spare = None
         try:
             if exc_type is None:
                 self._phase = _Phase.COMMITTED
@@ -165,12 +176,23 @@ class WeightUpdate:
         await self._stage(named, copy=True)
 
     async def push_file(self, path: str | Path) -> None:
-        """Check and stage the tensors of one safetensors file, as ``push`` does, from a
-        mapping of the file: the file may be removed once this returns. A tensor already in
-        its weight's dtype, on the CPU, is staged as it is, a view of the mapping (no copy;
-        the mapping lives as long as the view). A file that is not safetensors raises
+        """Check and stage the tensors of one safetensors file, as ``push`` does, read into
+        memory of the update's own: the file may be rewritten or removed once this returns.
+        The tensors are staged as views of that memory (one copy of what was pushed, until
+        the commit), or, while the weights sleep at level 2, packed into the weights at once
+        (then the memory serves the next part). A file that is not safetensors raises
         ``InvalidRequestError``."""
-        named = await anyio.to_thread.run_sync(map_part, str(path))
+        spare, self._spare = self._spare, None
+        named, buffer = await anyio.to_thread.run_sync(read_part, str(path), spare)
+        if not await self._stage(named, copy=False):
+            self._spare = buffer  # nothing of it is staged as a view: reused
+
+    async def push_buffer(self, buffer: memoryview) -> None:
+        """Check and stage the tensors of a safetensors file held in ``buffer``, which the
+        update takes over (its tensors are views of it: the caller must not write it again),
+        as ``push_file`` does. A buffer that is not safetensors raises
+        ``InvalidRequestError``."""
+        named = await anyio.to_thread.run_sync(view_part, buffer)
         await self._stage(named, copy=False)
 
     async def push_source(
@@ -185,9 +207,10 @@ class WeightUpdate:
         else:
             await self._stage(source, copy=not own)
 
-    async def _stage(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> None:
+    async def _stage(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool) -> bool:
         """``copy=False``: the tensors are the engine's already (read from a directory); they
-        are converted only where their dtype or device differs."""
+        are converted only where their dtype or device differs. Returns whether any of them
+        may be staged as it is (not copied)."""
         if self._phase is not _Phase.OPEN:
             raise InvalidRequestError(
                 "weight_update", f"push into an update that is {self._phase.value}"
@@ -201,12 +224,16 @@ class WeightUpdate:
                     taken = set(await self._absorber.absorb(fresh))
                 await anyio.lowlevel.checkpoint_if_cancelled()  # then nothing of it counts
             rest = [(n, t) for n, t in part if n not in taken]
+            # a view staged would keep the whole part it maps alive: what was not absorbed
+            # of a part that was (norms, mostly) is copied, and the part can go
+            copy = copy or bool(taken)
             staged = await anyio.to_thread.run_sync(self._convert, rest, copy)
             if self._phase is _Phase.OPEN:  # not ended while the part was converted
                 for name in taken:
                     self._staged.pop(name, None)  # pushed before, the plain way: replaced
                 self._absorbed |= taken
                 self._staged.update(staged)
+        return not copy
 
     def _convert(self, part: Named, copy: bool) -> dict[str, torch.Tensor]:
         staged: dict[str, torch.Tensor] = {}

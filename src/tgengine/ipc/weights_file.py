@@ -18,10 +18,17 @@ import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..models.safetensors_reader import stored_tensors
+from ..models.safetensors_reader import (
+    StoredTensor,
+    header_length,
+    header_tensors,
+    stored_tensors,
+)
+from ..runtime import huge_pages
 
 SHARED_MEMORY = Path("/dev/shm")
 FILE_NAME = "model.safetensors"
@@ -62,11 +69,18 @@ def write_weights_dir(named: Iterable[tuple[str, torch.Tensor]]) -> Path:
 
 
 def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) -> int:
-    """Write ``named`` as one safetensors file; returns its size in bytes (blocking)."""
+    """Write ``named`` as one safetensors file; returns its size in bytes (blocking).
+
+    An existing file is written over in place and then cut to size: in ``/dev/shm`` its
+    pages are then reused, not allocated again (a page each 4 KiB)."""
     size, pieces = safetensors_pieces(named)
-    with open(file, "wb", buffering=0) as f:
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
         for piece in pieces:
-            write_all(f.fileno(), piece)
+            write_all(fd, piece)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
     return size
 
 
@@ -141,6 +155,50 @@ def map_weights(path: str | Path) -> list[tuple[str, torch.Tensor]]:
         return []
     with open(file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return _views(mapped, stored)
+
+
+def read_weights(
+    path: str | Path, buffer: torch.Tensor | None = None
+) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """The tensors of a safetensors file, read into memory of this process: into
+    ``buffer`` (uint8) where it is large enough, else into a new one (its pages huge where
+    Linux offers them); the tensors are views of it, and the buffer is returned for reuse
+    once none of them is needed. The file may be rewritten or removed at once. Reading
+    costs a copy, but a tmpfs mapping costs a fault (or, populated, a page-table entry) per
+    4 KiB, about 3x the copy. Blocking; ``ValueError`` as ``map_weights``."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / FILE_NAME
+    with open(file, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if buffer is None or buffer.numel() < size:
+            buffer = huge_pages.empty(max(size, 1), dtype=torch.uint8)
+        view = memoryview(buffer.numpy().data).cast("B")[:size]
+        done = 0
+        while done < size:
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{file} shrank while it was read")
+            done += got
+    return view_weights(view), buffer
+
+
+def view_weights(buffer: memoryview) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file held in ``buffer`` (writable), as views of it:
+    they keep it alive. Blocking (the header's parse). ``ValueError`` as ``map_weights``."""
+    try:
+        length = header_length(buffer)
+        header = buffer[8 : 8 + length].tobytes()
+        stored = list(header_tensors(Path("<body>"), length, header, len(buffer)))
+    except (KeyError, TypeError, AttributeError, struct.error) as exc:
+        raise ValueError(f"not a safetensors header: {type(exc).__name__}: {exc}") from exc
+    return _views(buffer, stored) if stored else []
+
+
+def _views(buffer: Any, stored: list[StoredTensor]) -> list[tuple[str, torch.Tensor]]:
+    """Each stored tensor as a view of ``buffer`` (the whole file's bytes)."""
+    mapped = buffer
     named: list[tuple[str, torch.Tensor]] = []
     for t in stored:
         element = torch.empty((), dtype=t.dtype).element_size()

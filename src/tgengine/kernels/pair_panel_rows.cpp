@@ -9,6 +9,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TG_TRANSPOSE_512 1
+#endif
+
 namespace {
 
 constexpr int64_t kPanel = 16;
@@ -18,6 +23,43 @@ inline bool finite(uint32_t pair) {
   const uint32_t e = pair & exp;
   return (e & 0x7f80u) != 0x7f80u && (e & 0x7f800000u) != 0x7f800000u;
 }
+
+#ifdef TG_TRANSPOSE_512
+// A full tile, 16 rows by 16 pairs, in 512-bit registers: rows loaded, transposed by the
+// usual unpack / shuffle network, each pair column stored whole. Returns false when some
+// value is not finite.
+inline bool tile_16x16(const uint16_t* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16];
+  __mmask32 bad = 0;
+  const __m512i exp = _mm512_set1_epi16(0x7f80);
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm512_loadu_si512(src + i * stride);
+    bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r[i], exp), exp);
+  }
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 16, r[j]);
+  return bad == 0;
+}
+#endif
 
 }  // namespace
 
@@ -42,6 +84,13 @@ extern "C" int tg_pair_panel_write_rows(const void* src_, int64_t rows, int64_t 
     const int64_t n = hi - lo;
     for (int64_t j0 = 0; j0 < full; j0 += kPanel) {
       const int64_t w = std::min(kPanel, full - j0);
+#ifdef TG_TRANSPOSE_512
+      if (n == kPanel && w == kPanel) {
+        bad |= !tile_16x16(src + (lo - row0) * src_stride + 2 * j0, src_stride,
+                           panel + j0 * kPanel);
+        continue;
+      }
+#endif
       // 16 rows by up to 16 pairs, read row by row, written pair by pair (a transpose)
       alignas(64) uint32_t tile[kPanel][kPanel];
       for (int64_t i = 0; i < n; ++i)

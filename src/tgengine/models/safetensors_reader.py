@@ -129,8 +129,25 @@ def stored_tensors(file: Path) -> Iterator[StoredTensor]:
         (length,) = struct.unpack("<Q", f.read(8) or b"\0" * 8)
         if not 0 < length <= _MAX_HEADER:
             raise ValueError(f"header length {length} is not plausible")
-        header = json.loads(f.read(length))
+        header = f.read(length)
         size = f.seek(0, 2)
+    yield from header_tensors(file, length, header, size)
+
+
+def header_length(data: memoryview) -> int:
+    """The header length a safetensors buffer starts with (``ValueError`` if implausible)."""
+    (length,) = struct.unpack("<Q", data[:8].tobytes().ljust(8, b"\0"))
+    if not 0 < length <= min(_MAX_HEADER, len(data) - 8):
+        raise ValueError(f"header length {length} is not plausible")
+    return int(length)
+
+
+def header_tensors(
+    file: Path, length: int, header_bytes: bytes, size: int
+) -> Iterator[StoredTensor]:
+    """The tensors a safetensors header of ``length`` bytes describes, in a file (or a
+    buffer: ``file`` then only names it) of ``size`` bytes, in the order of their data."""
+    header = json.loads(header_bytes)
     start = 8 + length
     entries = sorted(
         ((name, meta) for name, meta in header.items() if name != "__metadata__"),

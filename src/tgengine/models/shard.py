@@ -27,6 +27,13 @@ class Shard:
     dim: int | None = None  # None: the whole tensor
     ranges: tuple[tuple[int, int], ...] = ()
 
+    def is_whole(self, local_shape: torch.Size) -> bool:
+        """Whether a local tensor of ``local_shape`` is all of the full one, as it is."""
+        if self.dim is None:
+            return True
+        full = int(self.full_shape[self.dim])
+        return tuple(local_shape) == tuple(self.full_shape) and self.ranges == ((0, full),)
+
     def copy_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write this shard of ``full`` (the whole tensor) into ``local`` (cast as needed)."""
         if self.dim is None:

@@ -57,8 +57,8 @@ def copy_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]]) -> 
 
 
 def _local(shard: Shard, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full``: ``full`` itself at world size 1, else a copy."""
-    if shard.dim is None:
+    """This rank's part of ``full``: ``full`` itself where that is all of it, else a copy."""
+    if shard.is_whole(param.shape) and full.shape == param.shape:
         return full
     local = torch.empty(param.shape, dtype=param.dtype, device=param.device)
     shard.copy_into(full, local)

@@ -2,8 +2,9 @@
 the engine process through shared memory.
 
 Each part is written to a safetensors file in ``/dev/shm`` (in a thread), and the engine
-process pushes it from a mapping of that file into its own ``Engine.weight_update()``
-(``HostedUpdates``); the file is removed once it answered. No tensor is pickled.
+process reads it into its own memory and pushes it into its own ``Engine.weight_update()``
+(``HostedUpdates``); the next part is written over it, and the file is removed when the
+update ends. No tensor is pickled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import anyio
 
 from ..engine.weight_update import KeptKV
 from ..errors import InvalidRequestError, TGEngineError
-from ..ipc.weights_file import remove_weights_dir, write_weights_dir
+from ..ipc.weights_file import (
+    FILE_NAME,
+    new_weights_dir,
+    remove_weights_dir,
+    write_weights_file,
+)
 from .messages import ControlCommand, UpdateAbort, UpdateBegin, UpdateCommit, UpdatePart
 
 if TYPE_CHECKING:
@@ -45,6 +51,8 @@ class RemoteWeightUpdate:
         self.kept_kv: KeptKV = kept_kv
         self._phase = "new"
         self.num_parts = 0  # pushed and staged
+        self._dirs: list[Path] = []  # the parts' files' directories in /dev/shm
+        self._free: Path | None = None  # the one the next part may be written to
 
     async def __aenter__(self) -> RemoteWeightUpdate:
         if self._phase != "new":
@@ -60,6 +68,14 @@ class RemoteWeightUpdate:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        try:
+            await self._end(exc_type)
+        finally:
+            for directory in self._dirs:
+                remove_weights_dir(directory)
+            self._dirs, self._free = [], None
+
+    async def _end(self, exc_type: type[BaseException] | None) -> None:
         if exc_type is None:
             self._phase = "committed"
             try:
@@ -83,15 +99,21 @@ class RemoteWeightUpdate:
         """Check and stage one part: an iterable of ``(name, tensor)`` (full tensors).
 
         The tensors are written to shared memory in a thread first: the caller may reuse
-        its buffers once this returns. Raises ``InvalidRequestError`` naming the first
+        its buffers once this returns. Every part goes through the same file, written
+        over (the engine process reads each into its own memory): its pages are allocated
+        once an update. Raises ``InvalidRequestError`` naming the first
         tensor that does not fit (nothing of this part is staged).
         """
         self._check_open()
-        path = await anyio.to_thread.run_sync(write_weights_dir, list(named))
-        try:
-            await self.push_file(path)
-        finally:
-            remove_weights_dir(path)
+        if self._free is None:
+            self._free = await anyio.to_thread.run_sync(new_weights_dir)
+            self._dirs.append(self._free)
+        file, self._free = self._free / FILE_NAME, None
+        await anyio.to_thread.run_sync(write_weights_file, list(named), file)
+        await self.push_file(file)
+        self._free = file.parent  # answered: the engine process has read it; else (an error
+        # or a cancellation midway, when it may be reading it still) the next part takes a
+        # new file
 
     async def push_file(self, path: str | Path) -> None:
         """Push the tensors of a safetensors file (or a directory's ``model.safetensors``)

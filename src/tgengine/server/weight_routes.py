@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
+import torch
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from ..ipc.weights_file import FILE_NAME, new_weights_dir, remove_weights_dir, write_all
+from ..runtime import huge_pages
 from .context import ServerContext
 from .errors import APIError, unavailable
 from .protocol import ErrorResponse
@@ -111,10 +113,21 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
         """Check and stage one part: a safetensors file as the body (full tensors by name)."""
         upload = uploads.get(update_id)
         uploads.check_open(upload)
+        if uploads.takes_buffers(upload):  # the engine is in this process: no file between
+            with uploads.receiving(upload):
+                sink = _BufferSink(request.headers.get("content-length"))
+                size = await _receive(request, sink, limit, uploads, upload)
+                uploads.check_open(upload)
+                await uploads.push_buffer(upload, sink.body(), size)
+            return answer(upload)
         with uploads.receiving(upload):
             directory = await anyio.to_thread.run_sync(new_weights_dir)
             try:
-                size = await _receive(request, directory / FILE_NAME, limit, uploads, upload)
+                file = await anyio.to_thread.run_sync(_create, directory / FILE_NAME)
+                try:
+                    size = await _receive(request, _FileSink(file), limit, uploads, upload)
+                finally:
+                    os.close(file)
                 uploads.check_open(upload)  # it may have ended while the body arrived
                 await uploads.push(upload, directory / FILE_NAME, size)
             finally:
@@ -147,14 +160,15 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
 
 
 async def _receive(
-    request: Request, file: Path, limit: int, uploads: WeightUploads, upload: Upload
+    request: Request,
+    sink: _FileSink | _BufferSink,
+    limit: int,
+    uploads: WeightUploads,
+    upload: Upload,
 ) -> int:
-    """Write the request's body to ``file``; its size. Over ``limit``: 413, and the update
+    """Hand the request's body to ``sink``; its size. Over ``limit``: 413, and the update
     stays open. The client gone before the end of its body: the update is aborted."""
-    fd = await anyio.to_thread.run_sync(_create, file)
     size = 0
-    pending: list[bytes] = []
-    pending_bytes = 0
     completed = False
     try:
         async for chunk in request.stream():
@@ -163,24 +177,71 @@ async def _receive(
                 break
             if size > limit:
                 continue  # read (and drop) a bounded rest: the client then sees the 413
-            pending.append(chunk)
-            pending_bytes += len(chunk)
-            if pending_bytes >= FLUSH_BYTES:
-                await anyio.to_thread.run_sync(_write, fd, pending)
-                pending, pending_bytes = [], 0
+            await sink.add(chunk)
         completed = True
         if size > limit:  # refused, not abandoned: the update stays open
             message = f"a part is larger than the limit of {limit} bytes"
             raise APIError(413, message, code="request_too_large")
-        await anyio.to_thread.run_sync(_write, fd, pending)
+        await sink.finish()
     except ClientDisconnect as exc:
         raise APIError(400, "the client disconnected while sending a part") from exc
     finally:
-        os.close(fd)
         if not completed:  # disconnected, or cancelled: an abandoned update
             with anyio.CancelScope(shield=True):
                 await uploads.abort(upload, "the client disconnected while sending a part")
     return size
+
+
+class _FileSink:
+    """A body written to a file, in pieces of about ``FLUSH_BYTES`` (off the event loop)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pending: list[bytes] = []
+        self._bytes = 0
+
+    async def add(self, chunk: bytes) -> None:
+        self._pending.append(chunk)
+        self._bytes += len(chunk)
+        if self._bytes >= FLUSH_BYTES:
+            await self.finish()
+
+    async def finish(self) -> None:
+        pending, self._pending, self._bytes = self._pending, [], 0
+        await anyio.to_thread.run_sync(_write, self._fd, pending)
+
+
+class _BufferSink:
+    """A body gathered in memory: into one buffer of its announced length (its pages huge
+    where Linux offers them), else (a chunked body) its pieces, joined at the end."""
+
+    def __init__(self, content_length: str | None) -> None:
+        expected = int(content_length) if content_length and content_length.isdigit() else 0
+        self._view = _bytes(huge_pages.empty(expected, dtype=torch.uint8)) if expected else None
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    async def add(self, chunk: bytes) -> None:
+        end = self._size + len(chunk)
+        if self._view is None:
+            self._pieces.append(chunk)
+        elif end <= len(self._view):
+            self._view[self._size : end] = chunk
+        else:  # the HTTP layer holds a body to its length: a defect if reached
+            raise APIError(400, "the body is longer than its Content-Length")
+        self._size = end
+
+    async def finish(self) -> None:
+        pass
+
+    def body(self) -> memoryview:
+        if self._view is not None:
+            return self._view[: self._size]
+        return memoryview(bytearray(b"".join(self._pieces)))
+
+
+def _bytes(buffer: torch.Tensor) -> memoryview:
+    return memoryview(buffer.numpy().data).cast("B")
 
 
 def _create(file: Path) -> int:

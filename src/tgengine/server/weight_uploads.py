@@ -12,13 +12,20 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
 
 from ..engine.client import EngineClient, PartsUpdate
 from .errors import APIError
+
+
+@runtime_checkable
+class TakesBuffers(Protocol):
+    """An update that takes a part as safetensors bytes in memory (``WeightUpdate``)."""
+
+    async def push_buffer(self, buffer: memoryview) -> None: ...
 
 
 class UploadsStopped(Exception):
@@ -115,6 +122,19 @@ class WeightUploads:
         self.check_open(upload)
         with self.receiving(upload):
             await upload.update.push_file(path)
+        upload.num_parts += 1
+        upload.num_bytes += nbytes
+
+    def takes_buffers(self, upload: Upload) -> bool:
+        """Whether the update takes a part's bytes from memory (an engine in this process)."""
+        return isinstance(upload.update, TakesBuffers)
+
+    async def push_buffer(self, upload: Upload, buffer: memoryview, nbytes: int) -> None:
+        """Push the part in ``buffer`` (safetensors bytes the update takes over)."""
+        self.check_open(upload)
+        assert isinstance(upload.update, TakesBuffers)
+        with self.receiving(upload):
+            await upload.update.push_buffer(buffer)
         upload.num_parts += 1
         upload.num_bytes += nbytes
 
