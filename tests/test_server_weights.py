@@ -21,6 +21,7 @@ import torch
 from server_helpers import ADMIN_KEY, MODEL, TIMEOUT, running_server
 from tgengine import EngineClient, ProcessEngine
 from tgengine.engine.request_stats import RequestStats, StepStats
+from tgengine.ipc import weights_file
 from tgengine.ipc.weights_file import write_weights_file
 from tgengine.models import iter_safetensors
 from tgengine.server import Server, ServerConfig
@@ -51,6 +52,10 @@ async def pieces(body: bytes, size: int = 1000) -> AsyncIterator[bytes]:
     """``body`` as a chunked request's pieces (httpx sends no Content-Length then)."""
     for start in range(0, len(body), size):
         yield body[start : start + size]
+
+
+def part_files() -> set[Path]:
+    return set(weights_file.SHARED_MEMORY.glob("tgengine-weights-*"))
 
 
 def parts_of(model_dir: Path, tmp_path: Path, size: int = 3) -> list[bytes]:
@@ -237,14 +242,23 @@ async def test_parts_over_http_reach_an_engine_process(
             await tg.start(engine.run)
             await tg.start(server.run)
             headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            files = part_files()
             async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
                 update_id = (await http.post(UPDATES)).json()["id"]
                 for part in parts:
                     got = await http.post(f"{UPDATES}/{update_id}/parts", content=part)
                     assert got.status_code == 200, got.text
+                    assert len(part_files() - files) == 1, "one file serves every part"
                 committed = await http.post(f"{UPDATES}/{update_id}/commit")
                 assert committed.json()["weight_version"] == 1
+                assert part_files() == files, "the part's file outlived its update"
                 text = await tokens(http)
+                update_id = (await http.post(UPDATES)).json()["id"]
+                assert (
+                    await http.post(f"{UPDATES}/{update_id}/parts", content=parts[0])
+                ).is_success
+                assert (await http.delete(f"{UPDATES}/{update_id}")).is_success
+                assert part_files() == files, "an aborted update's file was left behind"
             tg.cancel_scope.cancel()
     assert text == engine.tokenizer.decode(hf_greedy(other_dir, PROMPT, 8))
     assert child_pids() == before

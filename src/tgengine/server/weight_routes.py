@@ -121,18 +121,29 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
                 await uploads.push_buffer(upload, sink.body(), size)
             return answer(upload)
         with uploads.receiving(upload):
-            directory = await anyio.to_thread.run_sync(new_weights_dir)
+            # the file the last part went through, written over (its /dev/shm pages are
+            # allocated once an update), unless another part is using it
+            spare, upload.spare_dir = upload.spare_dir, None
+            directory = (
+                spare if spare is not None else await anyio.to_thread.run_sync(new_weights_dir)
+            )
+            reuse = False
             try:
-                file = await anyio.to_thread.run_sync(_create, directory / FILE_NAME)
+                file = await anyio.to_thread.run_sync(_open, directory / FILE_NAME)
                 try:
                     size = await _receive(request, _FileSink(file), limit, uploads, upload)
+                    await anyio.to_thread.run_sync(os.ftruncate, file, size)
                 finally:
                     os.close(file)
                 uploads.check_open(upload)  # it may have ended while the body arrived
                 await uploads.push(upload, directory / FILE_NAME, size)
+                reuse = upload.state == "open" and upload.spare_dir is None
             finally:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(remove_weights_dir, directory)
+                if reuse:  # the engine has read it (it reads each part into its memory)
+                    upload.spare_dir = directory
+                else:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(remove_weights_dir, directory)
         return answer(upload)
 
     @router.post(
@@ -244,8 +255,9 @@ def _bytes(buffer: torch.Tensor) -> memoryview:
     return memoryview(buffer.numpy().data).cast("B")
 
 
-def _create(file: Path) -> int:
-    return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _open(file: Path) -> int:
+    """The part's file, new or written over (its size is set once the body is in)."""
+    return os.open(file, os.O_WRONLY | os.O_CREAT, 0o600)
 
 
 def _write(fd: int, chunks: list[bytes]) -> None:

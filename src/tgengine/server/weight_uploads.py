@@ -18,6 +18,7 @@ import anyio
 import anyio.abc
 
 from ..engine.client import EngineClient, PartsUpdate
+from ..ipc.weights_file import remove_weights_dir
 from .errors import APIError
 
 
@@ -43,6 +44,7 @@ class Upload:
     num_parts: int = 0
     num_bytes: int = 0
     receiving: int = 0  # parts whose bodies are arriving now: the update is not idle
+    spare_dir: Path | None = None  # the last part's file's directory, for the next part
     state: Literal["open", "committed", "aborted"] = "open"
     reason: str | None = None  # why it was aborted
     changed: anyio.Event = field(default_factory=anyio.Event)  # the watchdog's wake-up
@@ -160,6 +162,9 @@ class WeightUploads:
         self, upload: Upload, state: Literal["committed", "aborted"], reason: str | None = None
     ) -> None:
         upload.state, upload.reason = state, reason
+        if upload.spare_dir is not None:
+            remove_weights_dir(upload.spare_dir)
+            upload.spare_dir = None
         if self._open is upload:
             self._open = None
         self._recent[upload.id] = upload
