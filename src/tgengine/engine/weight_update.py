@@ -8,7 +8,7 @@ between two steps. An exception or a cancellation inside the block drops what wa
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Protocol
@@ -54,9 +54,20 @@ class UpdateSlot:
             self.open = None
 
 
-def read_dir(path: str) -> Named:
-    """Every tensor of a directory of safetensors (blocking)."""
-    return list(iter_safetensors(path))
+DIR_PART_BYTES = 64 * 1024 * 1024  # a directory is pushed in parts of about this size
+
+
+def next_part(tensors: Iterator[tuple[str, torch.Tensor]], part_bytes: int) -> Named:
+    """The next tensors read from ``tensors`` up to about ``part_bytes`` (at least one;
+    none once it is exhausted). Blocking: each is read from disk as it comes."""
+    part: Named = []
+    size = 0
+    for name, tensor in tensors:
+        part.append((name, tensor))
+        size += tensor.nbytes
+        if size >= part_bytes:
+            break
+    return part
 
 
 def view_part(buffer: memoryview) -> Named:
@@ -198,12 +209,14 @@ class WeightUpdate:
     async def push_source(
         self, source: str | Path | Iterable[tuple[str, torch.Tensor]], *, own: bool
     ) -> None:
-        """Push a directory of safetensors (read off the event loop, never copied again) or
-        an iterable; ``own``: the iterable's tensors are staged as they are where they fit
-        (``update_weights`` awake, which copies them into the weights at once)."""
+        """Push a directory of safetensors (read off the event loop, in parts of about
+        ``DIR_PART_BYTES``: what it holds is never in memory whole beside what it becomes)
+        or an iterable; ``own``: the iterable's tensors are staged as they are where they
+        fit (``update_weights`` awake, which copies them into the weights at once)."""
         if isinstance(source, (str, Path)):
-            named = await anyio.to_thread.run_sync(read_dir, str(source))
-            await self._stage(named, copy=False)
+            tensors = iter(iter_safetensors(str(source)))
+            while part := await anyio.to_thread.run_sync(next_part, tensors, DIR_PART_BYTES):
+                await self._stage(part, copy=False)
         else:
             await self._stage(source, copy=not own)
 
