@@ -11,13 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from tgengine import kernels
+from tgengine.kernels import pair_panels
 from tgengine.kernels.isa import isa
 from tgengine.kernels.pair_panels import (
     VARIANTS,
+    empty_pair_panels,
+    pack_pair_panel_blocks,
     pack_pair_panels,
     pair_panel_linear,
     pair_panel_variants,
     unpack_pair_panels,
+    write_pair_panel_rows,
 )
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler for the kernels")
@@ -36,6 +40,58 @@ def test_packing_is_exact(n: int, k: int) -> None:
     assert panels.shape == (-(-n // 16), -(-k // 2), 16, 2)
     assert torch.equal(unpack_pair_panels(panels, n, k), weight)
     assert panels[0, 0, 0, 0] == weight[0, 0] and (k < 2 or panels[0, 0, 0, 1] == weight[0, 1])
+
+
+def reference_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The layout, by its definition: [panel][pair][row of 16][2], zero-padded."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k + k % 2, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+# full 16 x 16 tiles (the 512-bit transpose where built for it), partial ones, odd columns
+SHAPES = [(96, 64), (37, 21), (16, 2), (1, 1), (200, 576), (48, 1536), (33, 70)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_row_blocks_pack_and_write_in_place_as_the_layout_says(n: int, k: int) -> None:
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    want = reference_panels(weight)
+    assert torch.equal(pack_pair_panels(weight), want)
+    cut = n // 3
+    assert torch.equal(pack_pair_panel_blocks([weight[:cut], weight[cut:]]), want)
+    # rows written over other values, from a strided view, at an offset: the rest untouched
+    panels = reference_panels(torch.ones(n, k, dtype=torch.bfloat16))
+    wide = torch.randn(n, k + 6).to(torch.bfloat16)
+    wide[:, 3 : 3 + k] = weight
+    assert write_pair_panel_rows(panels, wide[cut:, 3 : 3 + k], cut)
+    expect = weight.clone()
+    expect[:cut] = 1
+    assert torch.equal(panels, reference_panels(expect))
+    # the plain-torch form (no kernels) writes the same
+    again = reference_panels(torch.ones(n, k, dtype=torch.bfloat16))
+    assert pair_panels._write_rows_torch(again, weight[cut:].contiguous(), cut)
+    assert torch.equal(again, panels)
+    # float32 rows are cast as they are written
+    assert write_pair_panel_rows(panels, weight.float(), 0)
+    assert torch.equal(panels, want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (17, 5)])
+def test_writing_rows_says_when_a_value_is_not_finite(bad: float, n: int, k: int) -> None:
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    panels = empty_pair_panels(n, k)
+    assert write_pair_panel_rows(panels, weight, 0)
+    weight[n - 1, k - 1] = bad
+    assert not write_pair_panel_rows(panels, weight, 0)
+    written = unpack_pair_panels(panels, n, k)
+    assert torch.equal(written.view(torch.int16), weight.view(torch.int16))  # all the same
+    weight[n - 1, k - 1] = 3e38  # large, finite
+    assert write_pair_panel_rows(panels, weight, 0)
+    with pytest.raises(ValueError):
+        write_pair_panel_rows(panels, weight, panels.shape[0] * 16 - n + 1)  # a row past
 
 
 def test_the_variants_follow_the_cpu_flags() -> None:
