@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 import torch
 
@@ -180,3 +181,29 @@ async def test_a_cancelled_or_refused_part_counts_for_nothing(
                     raise KeyError("the trainer failed")
             await engine.wakeup()
             assert_weights(engine, disk)
+
+
+async def test_an_update_open_when_the_engine_stops_ends_cleanly(
+    tiny_llama_dir: Path, other_dir: Path
+) -> None:
+    new = bf16(other_dir)
+    engine = Engine(tiny_config(tiny_llama_dir, dtype="bfloat16"))
+    stopped = anyio.Event()
+
+    async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        await engine.run(task_status=task_status)
+        stopped.set()
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve)
+            await engine.sleep(2)
+            agent = engine._executor.agent  # type: ignore[attr-defined]
+            with pytest.raises(KeyError):
+                async with engine.weight_update() as update:
+                    await update.push(list(new.items())[:6])
+                    assert agent._pending.groups  # absorbed, waiting for the commit
+                    engine.stop()
+                    await stopped.wait()  # its compute thread is gone
+                    raise KeyError("the trainer failed after the engine stopped")
+            assert not agent._pending.groups

@@ -197,9 +197,13 @@ class ModelAgent:
         """Commit what ``absorb_part`` took of ``names`` (nothing else of it applies)."""
         await self._in_thread(self._settle, names)
 
-    def drop_absorbed(self) -> None:
-        """The open update ended without a commit: forget what was absorbed."""
-        self._pending.clear()
+    async def drop_absorbed(self) -> None:
+        """The open update ended without a commit: forget what was absorbed (on the
+        compute thread, after any absorb still running there; at once once it is gone)."""
+        if self._compute.closed:
+            self._pending.clear()
+            return
+        await self._in_thread(self._pending.clear)
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         device = self._info.device if self._info else "cpu"

@@ -26,6 +26,8 @@ class ComputeThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._started)
         self._ident: int | None = None
         self._thread: threading.Thread | None = None
+        self.closed = False
+        """Set by ``close``: ``call`` raises from then on."""
 
     def _started(self) -> None:
         self._ident = threading.get_ident()
@@ -40,6 +42,7 @@ class ComputeThread:
     def close(self, timeout: float = 0.0) -> bool:
         """No more calls; the thread ends once the call in flight (if any) returns. Waits up
         to ``timeout`` seconds for that (blocking); returns whether the thread has ended."""
+        self.closed = True
         self._pool.shutdown(wait=False)
         thread = self._thread
         if thread is None:

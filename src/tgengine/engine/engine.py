@@ -455,5 +455,5 @@ class _ExecutorAbsorber:
             return []
         return await self._executor.absorb_part(named)
 
-    def drop(self) -> None:
-        self._executor.drop_absorbed()
+    async def drop(self) -> None:
+        await self._executor.drop_absorbed()

@@ -35,7 +35,7 @@ class Absorber(Protocol):
 
     async def absorb(self, named: Named) -> list[str]: ...
 
-    def drop(self) -> None: ...
+    async def drop(self) -> None: ...
 
 
 class UpdateSlot:
@@ -174,7 +174,8 @@ class WeightUpdate:
             if self._phase is _Phase.OPEN:
                 self._phase = _Phase.ABANDONED
             if self._phase is _Phase.ABANDONED and self._absorber is not None:
-                self._absorber.drop()
+                with anyio.CancelScope(shield=True):  # after a push still packing, if any
+                    await self._absorber.drop()
             staged.clear()
             self._slot.let_go(self)
 

@@ -50,8 +50,8 @@ class UniExecutor:
     async def settle_absorbed(self, names: list[str]) -> None:
         await self.agent.settle_absorbed(names)
 
-    def drop_absorbed(self) -> None:
-        self.agent.drop_absorbed()
+    async def drop_absorbed(self) -> None:
+        await self.agent.drop_absorbed()
 
     def memory_stats(self) -> dict[str, MemoryStats]:
         return self.agent.memory_stats()
