@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-import gc
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -40,6 +35,7 @@ from ..sample.sampler import Sampler
 from ..sample.step_sampler import sample_step
 from .compute_thread import ComputeThread
 from .cpu_threads import available_cores, default_thread_count
+from .host_memory import free_device_memory, process_rss
 from .inputs import prepare_inputs
 from .packed_parts import PanelGroup, PendingPanels, apply_pending, dense_named, merge_groups
 from .staged_weights import apply_staged, merge_staged, rebuild_from_staged
@@ -395,7 +391,7 @@ class ModelAgent:
             self._host_weights = None
             if model is not None:
                 drop_packed(model)
-        _free_device_memory()
+        free_device_memory()
 
     def _wakeup(self, tag: str) -> bool:
         if self._info is None or self._model is None:
@@ -483,19 +479,7 @@ class ModelAgent:
         self._staged_panels.clear()
         self._pending.clear()
         self._generators.clear()
-        _free_device_memory()
-
-
-def process_rss() -> tuple[int, int]:
-    """This process's resident set size now and its peak (Linux and macOS report the peak)."""
-    import resource
-
-    import psutil
-
-    rss = int(psutil.Process().memory_info().rss)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-    return rss, max(rss, int(peak))
+        free_device_memory()
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -512,28 +496,3 @@ def _pick_device(device: str, parallel: ParallelContext) -> torch.device:
     if picked.type == "cuda" and picked.index is None and parallel.is_parallel:
         return local_cuda(parallel.rank)
     return picked
-
-
-def _free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    _trim_host_heap()
-
-
-def _trim_host_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise, and RSS stays high)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None

@@ -209,7 +209,7 @@ def _cpu_model() -> str:
 
 def rss_bytes() -> int:
     """This process's resident set size."""
-    from ..agent.agent import process_rss
+    from ..agent.host_memory import process_rss
 
     return process_rss()[0]
 

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..agent.agent import process_rss
+from ..agent.host_memory import process_rss
 from ..config import EngineConfig
 from ..open_engine import open_engine
 from ..sampling import SamplingParams

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..agent.agent import _trim_host_heap, process_rss
+from ..agent.host_memory import process_rss, trim_host_heap
 from ..engine.engine import Engine
 from ..models import iter_safetensors
 from ..runtime import huge_pages
@@ -87,7 +87,7 @@ async def _measured(action: Callable[[], Awaitable[object]]) -> tuple[float, int
     """Seconds ``action`` took, and its peak RSS above the RSS when it began (freed heap
     handed back first: else a reused free heap hides what the action needs)."""
     gc.collect()
-    _trim_host_heap()
+    trim_host_heap()
     base, _ = process_rss()
     peak = base
     done = anyio.Event()

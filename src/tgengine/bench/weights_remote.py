@@ -24,7 +24,7 @@ import anyio
 import psutil
 import torch
 
-from ..agent.agent import _trim_host_heap
+from ..agent.host_memory import trim_host_heap
 from ..engine.client import EngineClient
 from ..engine.engine import Engine
 from ..ipc.weights_file import SHARED_MEMORY
@@ -53,7 +53,7 @@ async def measured(
 ) -> tuple[float, dict[str, int], Any]:
     """Seconds ``action`` took, each process's peak RSS above its start (by role, and
     ``shm``: /dev/shm's peak use above its start), and what ``action`` returned."""
-    _trim_host_heap()
+    trim_host_heap()
     base = {role: _rss(pid) for role, pid in pids.items()} | {"shm": _shm_used()}
     peak = dict(base)
     done = anyio.Event()

@@ -56,7 +56,7 @@ def _os_threads() -> int:
 
 
 def _rss() -> int:
-    from ...agent.agent import process_rss
+    from ...agent.host_memory import process_rss
 
     return process_rss()[0]
 
