@@ -9,11 +9,12 @@ which weights sampled which tokens (``weight_versions``); a streamed chunk carri
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 import torch
@@ -72,6 +73,12 @@ async def complete(http: httpx.AsyncClient, max_tokens: int = 8) -> dict[str, An
 
 async def tokens(http: httpx.AsyncClient) -> str:
     return str((await complete(http))["choices"][0]["text"])
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds, yielding to the other tasks between looks."""
+    while not condition():
+        await anyio.lowlevel.checkpoint()
 
 
 async def ended(upload: Upload) -> None:
@@ -160,7 +167,38 @@ async def test_abandoned_updates_are_aborted(tiny_llama_dir: Path, tmp_path: Pat
                 await send_half_a_part(running.url, update_id, parts[0])
                 await ended(upload)
                 assert upload.state == "aborted" and "disconnected" in str(upload.reason)
-                assert (await http.post(UPDATES)).status_code == 201  # the slot is free
+                opened = await http.post(UPDATES)
+                assert opened.status_code == 201  # the slot is free
+                assert (await http.delete(f"{UPDATES}/{opened.json()['id']}")).is_success
+
+                # the same asleep: the abort drops what the engine absorbed of its parts
+                # (held here until the next update was asked for), and an update begun
+                # meanwhile waits for that, then opens
+                await running.engine.sleep(2)
+                executor = running.engine._executor  # type: ignore[attr-defined]
+                drop, release = executor.drop_absorbed, anyio.Event()
+
+                async def held_drop() -> None:
+                    await release.wait()
+                    await drop()
+
+                executor.drop_absorbed = held_drop
+                update_id = (await http.post(UPDATES)).json()["id"]
+                sent = await http.post(f"{UPDATES}/{update_id}/parts", content=parts[0])
+                assert sent.is_success
+                upload = uploads.get(update_id)
+                await send_half_a_part(running.url, update_id, parts[1])
+                await ended(upload)
+                assert uploads._closing is not None  # the engine's update is still ending
+                async with anyio.create_task_group() as tg:
+
+                    async def begin() -> None:
+                        assert (await http.post(UPDATES)).status_code == 201
+
+                    tg.start_soon(begin)
+                    await wait_for(lambda: uploads._opening)  # it waits, it is not refused
+                    release.set()
+                executor.drop_absorbed = drop
             assert running.engine.weight_version == 0
 
 

@@ -131,6 +131,7 @@ class WeightUpdate:
         self._absorber = absorber
         self._absorbed: set[str] = set()  # names the executor packed as their parts came
         self._spare: torch.Tensor | None = None  # a part's memory, free for the next one
+        self._absorbing = False  # a part was offered to the absorber: drop it if abandoned
         self._phase = _Phase.NEW
         self._lock = anyio.Lock()  # pushes stage one at a time
 
@@ -173,7 +174,7 @@ class WeightUpdate:
         finally:
             if self._phase is _Phase.OPEN:
                 self._phase = _Phase.ABANDONED
-            if self._phase is _Phase.ABANDONED and self._absorber is not None:
+            if self._phase is _Phase.ABANDONED and self._absorbing and self._absorber:
                 with anyio.CancelScope(shield=True):  # after a push still packing, if any
                     await self._absorber.drop()
             staged.clear()
@@ -234,6 +235,7 @@ class WeightUpdate:
             taken: set[str] = set()
             fresh = [(n, t) for n, t in part if n not in self._absorbed]
             if self._absorber is not None and fresh:
+                self._absorbing = True
                 with anyio.CancelScope(shield=True):  # the executor's thread runs to its end
                     taken = set(await self._absorber.absorb(fresh))
                 await anyio.lowlevel.checkpoint_if_cancelled()  # then nothing of it counts

@@ -65,6 +65,7 @@ class WeightUploads:
         self._opening = False
         self._recent: dict[str, Upload] = {}  # ended updates, so a late call learns why
         self._tg: anyio.abc.TaskGroup | None = None
+        self._closing: anyio.Event | None = None  # set once an aborted update has ended
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -91,6 +92,8 @@ class WeightUploads:
             raise APIError(409, message, type="conflict_error", code="update_open")
         self._opening = True
         try:
+            if self._closing is not None:  # an abort still ending in the engine
+                await self._closing.wait()
             update = self.engine.weight_update(kept_kv=kept_kv)
             await update.__aenter__()
         finally:
@@ -156,7 +159,13 @@ class WeightUploads:
             return
         self._end(upload, "aborted", reason)
         error = _Abandoned(reason)
-        await upload.update.__aexit__(_Abandoned, error, None)
+        closing = self._closing = anyio.Event()  # the next begin waits for the engine's end
+        try:
+            await upload.update.__aexit__(_Abandoned, error, None)
+        finally:
+            closing.set()
+            if self._closing is closing:
+                self._closing = None
 
     def _end(
         self, upload: Upload, state: Literal["committed", "aborted"], reason: str | None = None
