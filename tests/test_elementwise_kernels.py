@@ -113,6 +113,78 @@ def test_rope_store_kv_refuses_a_slot_outside_the_cache() -> None:
     assert not cache.any(), "nothing written when one slot is out of range"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # NaN's bits compare too
+
+
+@pytest.mark.parametrize(("rows", "size"), [(1, 576), (5, 72), (300, 576), (3, 37), (2, 24)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_gives_the_same_bits_with_and_without_avx512_bf16(
+    rows: int, size: int, unit_offset: bool
+) -> None:
+    # elementwise_avx512.cpp's 16-lane form (8-lane and scalar tails: sizes 72, 37, 24) sums
+    # the squares in the 8-lane form's order: the same bits, NaN and all.
+    torch.manual_seed(rows * size)
+    weight = torch.randn(size).bfloat16()
+    x = (torch.randn(rows, size) * 3).bfloat16()
+    x[0, 1] = float("nan")
+    residual = torch.randn(rows, size).bfloat16()
+    outs = []
+    for on in (True, False):
+        with avx512_bf16(on):
+            mine = residual.clone()
+            got = elementwise.add_rms_norm(x.clone(), mine, weight, 1e-5, unit_offset=unit_offset)
+            alone = elementwise.add_rms_norm(
+                x[1:].clone(), None, weight, 1e-5, unit_offset=unit_offset
+            )
+            outs.append((got, mine, alone))
+    for fast, plain in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(_bits(fast), _bits(plain))
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
+    [(9, 3, 64, 64), (4, 2, 64, 32), (2, 1, 20, 20), (4, 4, 128, 80)],
+)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_rope_store_kv_gives_the_same_bits_with_and_without_avx512_bf16(
+    num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rows: int
+) -> None:
+    # Rotated halves of a multiple of 16 take the 16-lane form; others (10, 40: not) the
+    # 8-lane or scalar one.
+    torch.manual_seed(rows + head_dim)
+    qkv = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim).bfloat16()
+    angles = torch.rand(rows, rotary_dim // 2) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([angles.sin()] * 2, -1).bfloat16()
+    slots = torch.randperm(64 * 8)[:rows]
+    caches, rotated = [], []
+    for on in (True, False):
+        cache = torch.zeros(2, num_kv_heads, 64, 8, head_dim, dtype=torch.bfloat16)
+        got = qkv.clone()
+        with avx512_bf16(on):
+            elementwise.rope_store_kv(got, num_heads, cos, sin, cache, slots)
+        caches.append(cache)
+        rotated.append(got)
+    assert torch.equal(_bits(rotated[0]), _bits(rotated[1]))
+    assert torch.equal(_bits(caches[0]), _bits(caches[1]))
+
+
+@pytest.mark.parametrize("act", sorted(elementwise.ACTIVATIONS))
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (32, 1536), (3, 100), (2, 1032)])
+def test_act_mul_gives_the_same_bits_with_and_without_avx512_bf16(
+    act: str, rows: int, inter: int
+) -> None:
+    torch.manual_seed(inter + rows)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    gate_up[0, :9] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-3, -1e-3, 30.0, -30.0, torch.nan])
+    outs = []
+    for on in (True, False):
+        with avx512_bf16(on):
+            outs.append(elementwise.act_mul(gate_up, act))
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+
+
 def _exact(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up`` in float64, rounded where torch's half-precision ops round."""
     x = gate.double()

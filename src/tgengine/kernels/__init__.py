@@ -44,6 +44,7 @@ _SOURCES = tuple(
         "prefill_attention.cpp",
         "half_linear.cpp",
         "elementwise.cpp",
+        "elementwise_avx512.cpp",
         "decode_layer.cpp",
         "argmax.cpp",
         "pair_panels.cpp",
@@ -64,6 +65,8 @@ _SOURCE_FLAGS = {
     "pair_panels.cpp": ["-fno-associative-math"],
     "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
     "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
+    # Its 8-lane tails use simd.h's AVX2 + FMA + F16C helpers, which -mavx512f does not imply.
+    "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],
 }
 _FLAGS = [
     "-O3",

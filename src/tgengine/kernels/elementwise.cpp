@@ -10,6 +10,20 @@
 
 #include "simd.h"
 
+// The 512-bit forms of the bfloat16 kernels (elementwise_avx512.cpp; the same bits), and
+// whether they run (pair_panels.cpp: where the CPU has AVX-512 BF16 and the switch is on).
+extern "C" {
+int tg_use_avx512_bf16(int on);
+int tg_add_rms_norm_bf16_avx512(void* x, void* residual, const void* weight, int64_t rows,
+                                int64_t size, float eps, int unit_offset, void* out, int threads);
+int tg_rope_store_kv_bf16_avx512(void* qkv, int64_t rows, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, const void* cos,
+                                 const void* sin, int64_t rot_dim, void* cache, int64_t slots,
+                                 const int64_t* slot_mapping, int threads);
+int tg_act_mul_bf16_avx512(int act, const void* gate_up, int64_t rows, int64_t inter, void* out,
+                           int threads);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 namespace {
@@ -188,6 +202,9 @@ extern "C" int tg_add_rms_norm(int dtype, void* x, void* residual, const void* w
                                int64_t rows, int64_t size, float eps, int unit_offset,
                                void* out, int threads) {
   if (rows < 0 || size <= 0 || threads < 1) return 1;
+  if (dtype == kBf16 && tg_use_avx512_bf16(-1))
+    return tg_add_rms_norm_bf16_avx512(x, residual, weight, rows, size, eps, unit_offset, out,
+                                       threads);
   if (dtype == kBf16)
     return add_rms_norm(static_cast<uint16_t*>(x), static_cast<uint16_t*>(residual),
                         static_cast<const uint16_t*>(weight), rows, size, eps, unit_offset != 0,
@@ -204,6 +221,10 @@ extern "C" int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_
                                 const void* sin, int64_t rot_dim, void* cache, int64_t slots,
                                 const int64_t* slot_mapping, int threads) {
   if (rows < 0 || num_heads < 0 || num_kv_heads <= 0 || head_dim <= 0 || threads < 1) return 1;
+  if (dtype == kBf16 && tg_use_avx512_bf16(-1) &&
+      tg_rope_store_kv_bf16_avx512(qkv, rows, num_heads, num_kv_heads, head_dim, cos, sin,
+                                   rot_dim, cache, slots, slot_mapping, threads) == 0)
+    return 0;
   if (dtype == kBf16)
     return rope_store_kv(static_cast<uint16_t*>(qkv), rows, num_heads, num_kv_heads, head_dim,
                          static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
@@ -219,6 +240,8 @@ extern "C" int tg_rope_store_kv(int dtype, void* qkv, int64_t rows, int64_t num_
 extern "C" int tg_act_mul(int dtype, int act, const void* gate_up, int64_t rows, int64_t inter,
                           void* out, int threads) {
   if (rows < 0 || inter <= 0 || threads < 1 || (act != kSilu && act != kGeluTanh)) return 1;
+  if (dtype == kBf16 && tg_use_avx512_bf16(-1))
+    return tg_act_mul_bf16_avx512(act, gate_up, rows, inter, out, threads);
   if (dtype == kBf16) {
     const auto* in = static_cast<const uint16_t*>(gate_up);
     auto* o = static_cast<uint16_t*>(out);
