@@ -12,7 +12,7 @@ from tgengine import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
-from kernel_helpers import avx512_bf16
+from kernel_helpers import avx512_bf16, require_avx512_bf16
 
 pytestmark = pytest.mark.skipif(
     not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),
@@ -105,6 +105,39 @@ def test_bf16_decode_attention_with_and_without_avx512_bf16_matches_the_torch_pa
     with avx512_bf16(avx512):
         off = paged_attention(q, q, q, blocks, fast, scale * 1.5)
     assert not torch.allclose(off.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_bf16_decode_attention_gives_the_same_bits_at_any_thread_count(window: int | None) -> None:
+    # The AVX-512 BF16 form gives each thread one run of consecutive (sequence, KV head)
+    # items of about the same number of positions (so it can fetch the next item's keys
+    # early); contexts of no tokens get zeros. Each item is computed alone: the same bits
+    # however the runs fall.
+    require_avx512_bf16()
+    torch.manual_seed(3)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 16, 512, 9, 3, 64
+    lens = [0, 300, 5, 0, 0, 129, 417, 1, 64, 0]
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width)
+    blocks = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim).bfloat16()
+    q = torch.randn(len(lens), num_heads, head_dim).bfloat16()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            with avx512_bf16(True):
+                outs.append(
+                    kernels.paged_decode(q, blocks, tables, torch.tensor(lens), 0.2, window)
+                )
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert torch.equal(got, outs[0])
+    assert not outs[0][[0, 3, 4, 9]].any(), "no context: zeros"
+    with avx512_bf16(False):
+        plain = kernels.paged_decode(q, blocks, tables, torch.tensor(lens), 0.2, window)
+    torch.testing.assert_close(outs[0].float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
 def _prefill_inputs(

@@ -97,10 +97,30 @@ inline void prefetch_row(const uint16_t* row) {
   for (int c = 0; c < D * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
 }
 
+// Fetches rows of an item's keys ahead of its turn, kTile at a time, in order: the values'
+// pass of one item reads its rows from cache (the scores' pass fetched them), so the memory
+// reads the next item's keys meanwhile.
+template <int D>
+struct RowFetcher {
+  const uint16_t* base = nullptr;
+  const int64_t* table = nullptr;
+  int64_t block = 0, slot = 0, left = 0, block_size = 1, block_stride = 0;
+
+  void fetch_tile() {
+    for (int p = 0; p < kTile && left > 0; ++p, --left) {
+      prefetch_row<D>(base + table[block] * block_stride + slot * D);
+      if (++slot == block_size) slot = 0, ++block;
+    }
+  }
+};
+
 struct Scratch {
   std::vector<int64_t> offsets;  // each position's row in the cache (padded with the last)
   std::vector<float> scores;     // [groups][positions padded to 16]
   std::vector<uint16_t> weights;  // [groups][positions padded to 16]: exp(score - max), bf16
+  // Whose positions offsets holds: a sequence's KV heads come one after another in a run.
+  const int64_t* table = nullptr;
+  int64_t start = -1, len = -1;
 };
 
 // scores[g][i] = q[g] . key[i] * scale for the tile's 16 positions; best[g] their max. Each
@@ -145,15 +165,18 @@ void score_keys(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
 // unpacklo/hi's: put_outputs puts it back.
 template <int D, int G, int NC>
 void sum_values_blocked(const uint16_t* values, const int64_t* offsets, int64_t n,
-                        int64_t n16, const uint16_t* weights, float* acc) {
+                        int64_t n16, const uint16_t* weights, float* acc,
+                        RowFetcher<D>& next_keys) {
   static_assert((D / 32) % NC == 0 && 2 * G * NC <= kAccRegisters, "blocks tile the head");
   for (int c0 = 0; c0 < D / 32; c0 += NC) {
     __m512 a[G][2 * NC];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 2 * NC; ++c) a[g][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 2) {  // an odd n's last pair: a padding row, weight 0
-      if (c0 == 0 && i % kTile == 0)
+      if (c0 == 0 && i % kTile == 0) {
         for (int p = 0; p < kTile; ++p) prefetch_row<D>(values + offsets[i + kAhead + p]);
+        next_keys.fetch_tile();
+      }
       const uint16_t* r0 = values + offsets[i] + 32 * c0;
       const uint16_t* r1 = values + offsets[i + 1] + 32 * c0;
       __m512bh w[G];
@@ -204,17 +227,21 @@ void put_outputs(const float* acc, const float* inv, uint16_t* out) {
 template <int D, int G>
 void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
             const int64_t* table, int64_t start, int64_t len, int64_t block_size,
-            int64_t block_stride, float scale, uint16_t* out, Scratch& s) {
+            int64_t block_stride, float scale, uint16_t* out, const tg_decode::Item* next,
+            Scratch& s) {
   const int64_t n = len - start, n16 = (n + kTile - 1) / kTile * kTile;
-  s.offsets.resize(static_cast<size_t>(n16));
   s.scores.resize(static_cast<size_t>(G * n16));
   s.weights.resize(static_cast<size_t>(G * n16));
-  for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
-    s.offsets[i] = table[block] * block_stride + slot * D;
-    if (++slot == block_size) slot = 0, ++block;
+  if (table != s.table || start != s.start || len != s.len) {
+    s.offsets.resize(static_cast<size_t>(n16));
+    for (int64_t i = 0, block = start / block_size, slot = start % block_size; i < n; ++i) {
+      s.offsets[i] = table[block] * block_stride + slot * D;
+      if (++slot == block_size) slot = 0, ++block;
+    }
+    for (int64_t i = n; i < n16; ++i) s.offsets[i] = s.offsets[n - 1];  // padding: a real row
+    s.offsets.resize(static_cast<size_t>(n16 + kAhead + kTile), s.offsets[n - 1]);  // read-ahead
+    s.table = table, s.start = start, s.len = len;
   }
-  for (int64_t i = n; i < n16; ++i) s.offsets[i] = s.offsets[n - 1];  // padding: a real row
-  s.offsets.resize(static_cast<size_t>(n16 + kAhead + kTile), s.offsets[n - 1]);  // read-ahead
   __m512 best[G];
   for (int g = 0; g < G; ++g) best[g] = _mm512_set1_ps(-INFINITY);
   score_keys<D, G>(q, keys, values, s.offsets.data(), n16, scale, s.scores.data(), best);
@@ -237,9 +264,14 @@ void attend(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
     const float total = _mm512_reduce_add_ps(sum);
     inv[g] = total > 0.f ? 1.f / total : 0.f;
   }
+  RowFetcher<D> next_keys;
+  if (next)
+    next_keys = RowFetcher<D>{static_cast<const uint16_t*>(next->keys), next->table,
+                              next->start / block_size, next->start % block_size,
+                              next->len - next->start, block_size, block_stride};
   alignas(64) float acc[G * D];
   sum_values_blocked<D, G, chunk_block(D / 32, G)>(values, s.offsets.data(), n, n16,
-                                                   s.weights.data(), acc);
+                                                   s.weights.data(), acc, next_keys);
   put_outputs<D, G>(acc, inv, out);
 }
 
@@ -252,12 +284,13 @@ int run(const uint16_t* q, const uint16_t* cache, const int64_t* tables, const i
   switch (groups) {
 #define TG_GROUP(G)                                                                         \
   case G:                                                                                   \
-    return tg_decode::for_each_item<uint16_t, D, Scratch>(                                  \
+    return tg_decode::for_each_item_in_runs<uint16_t, D, Scratch>(                          \
         cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, num_blocks, block_size, \
-        table_width, window, threads, [&](Scratch& scratch, const tg_decode::Item& it) {    \
+        table_width, window, threads,                                                       \
+        [&](Scratch& scratch, const tg_decode::Item& it, const tg_decode::Item* next) {     \
           attend<D, G>(q + it.offset, static_cast<const uint16_t*>(it.keys),                \
                        static_cast<const uint16_t*>(it.values), it.table, it.start, it.len, \
-                       block_size, block_size * D, scale, out + it.offset, scratch);        \
+                       block_size, block_size * D, scale, out + it.offset, next, scratch);  \
         });
     TG_GROUP(1) TG_GROUP(2) TG_GROUP(3) TG_GROUP(4) TG_GROUP(5) TG_GROUP(6) TG_GROUP(7) TG_GROUP(8)
 #undef TG_GROUP

@@ -5,6 +5,7 @@
 // sequence with no context gets zeros. Plain C++ and OpenMP: it builds with either form's flags.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -19,6 +20,38 @@ struct Item {
   int64_t offset;        // of its first query head in q and out
 };
 
+// Item i of a call: (sequence i / num_kv_heads, KV head i % num_kv_heads).
+struct Items {
+  const void* cache;
+  const int64_t *tables, *lens;
+  int64_t num_heads, num_kv_heads, groups, table_width, window, head_stride, values_offset;
+  int64_t head_dim;
+
+  template <typename T>
+  Item at(int64_t i) const {
+    const int64_t seq = i / num_kv_heads, head = i % num_kv_heads;
+    const int64_t len = lens[seq];
+    const int64_t offset = (seq * num_heads + head * groups) * head_dim;
+    const T* keys = static_cast<const T*>(cache) + head * head_stride;
+    const int64_t start = window > 0 && len > window ? len - window : 0;
+    return Item{keys, keys + values_offset, tables + seq * table_width, start, len, offset};
+  }
+};
+
+// The items, or 1 where the query heads do not split evenly over the KV heads (or more than
+// 8 share one): then *items is untouched.
+template <int D>
+int make_items(const void* cache, const int64_t* tables, const int64_t* lens, int64_t num_heads,
+               int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+               int64_t table_width, int64_t window, Items* items) {
+  const int64_t groups = num_heads / num_kv_heads;
+  if (groups > 8 || groups * num_kv_heads != num_heads) return 1;
+  const int64_t head_stride = num_blocks * block_size * D;
+  *items = Items{cache, tables, lens, num_heads, num_kv_heads, groups, table_width, window,
+                 head_stride, num_kv_heads * head_stride, D};
+  return 0;
+}
+
 // attend(scratch, item) for every item with a context, one Scratch per thread; 1 where the
 // query heads do not split evenly over the KV heads (or more than 8 share one), else 0.
 template <typename T, int D, typename Scratch, typename Attend>
@@ -26,27 +59,75 @@ int for_each_item(const T* cache, const int64_t* tables, const int64_t* lens, T*
                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                   int64_t block_size, int64_t table_width, int64_t window, int threads,
                   Attend&& attend) {
-  const int64_t groups = num_heads / num_kv_heads;
-  if (groups > 8 || groups * num_kv_heads != num_heads) return 1;
-  const int64_t head_stride = num_blocks * block_size * D;
-  const int64_t values_offset = num_kv_heads * head_stride;
-  const int64_t items = num_seqs * num_kv_heads;
+  Items items;
+  if (make_items<D>(cache, tables, lens, num_heads, num_kv_heads, num_blocks, block_size,
+                    table_width, window, &items))
+    return 1;
+  const int64_t count = num_seqs * num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) {
-      const int64_t seq = i / num_kv_heads, head = i % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t offset = (seq * num_heads + head * groups) * D;
-      if (len <= 0) {
-        for (int64_t j = 0; j < groups * D; ++j) tg::from_float(0.f, out + offset + j);
+    for (int64_t i = 0; i < count; ++i) {
+      const Item it = items.at<T>(i);
+      if (it.len <= 0) {
+        for (int64_t j = 0; j < items.groups * D; ++j) tg::from_float(0.f, out + it.offset + j);
         continue;
       }
-      const T* keys = cache + head * head_stride;
-      const int64_t start = window > 0 && len > window ? len - window : 0;
-      attend(scratch, Item{keys, keys + values_offset, tables + seq * table_width, start, len,
-                           offset});
+      attend(scratch, it);
+    }
+  }
+  return 0;
+}
+
+// for_each_item's work, each thread given one run of consecutive items of about the same
+// number of positions as the others' (so that it knows which item comes next):
+// attend(scratch, item, next) with next the thread's next item with a context, or null.
+template <typename T, int D, typename Scratch, typename Attend>
+int for_each_item_in_runs(const T* cache, const int64_t* tables, const int64_t* lens, T* out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t num_blocks, int64_t block_size, int64_t table_width,
+                          int64_t window, int threads, Attend&& attend) {
+  Items items;
+  if (make_items<D>(cache, tables, lens, num_heads, num_kv_heads, num_blocks, block_size,
+                    table_width, window, &items))
+    return 1;
+  const int64_t count = num_seqs * num_kv_heads;
+  // Each item's cost: its positions, and a few tiles' worth for its setup.
+  auto cost = [&](int64_t seq) {
+    const int64_t len = lens[seq], start = window > 0 && len > window ? len - window : 0;
+    return (len > 0 ? len - start : 0) + 64;
+  };
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += cost(s) * num_kv_heads;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(threads, count));
+#pragma omp parallel num_threads(static_cast<int>(runs))
+  {
+    Scratch scratch;
+#pragma omp for schedule(static, 1)
+    for (int64_t r = 0; r < runs; ++r) {
+      // Run r: the items whose positions before them, of the total, fall in [r, r + 1) / runs.
+      int64_t first = -1, last = -1, before = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t owner = before * runs / total;
+        if (owner > r) break;
+        if (owner == r) {
+          if (first < 0) first = i;
+          last = i + 1;
+        }
+        before += cost(i / num_kv_heads);
+      }
+      for (int64_t i = first; first >= 0 && i < last; ++i) {
+        const Item it = items.at<T>(i);
+        if (it.len <= 0) {
+          for (int64_t j = 0; j < items.groups * D; ++j) tg::from_float(0.f, out + it.offset + j);
+          continue;
+        }
+        int64_t n = i + 1;
+        while (n < last && lens[n / num_kv_heads] <= 0) ++n;
+        const Item next = items.at<T>(n < last ? n : i);
+        attend(scratch, it, n < last ? &next : nullptr);
+      }
     }
   }
   return 0;
