@@ -1,8 +1,10 @@
 // The work items of one decode attention call, for each of its forms (paged_attention.cpp,
 // paged_attention_avx512.cpp): one item a (sequence, KV head) pair, spread over the threads
-// (dynamic: contexts differ in length), each given the keys it sees — [start, len), the last
-// `window` of them where a window is set — and where its query heads sit in q and out. A
-// sequence with no context gets zeros. Plain C++ and OpenMP: it builds with either form's flags.
+// (contexts differ in length: dynamically, for_each_item, or in one run of consecutive items
+// of about equal positions a thread, for_each_item_in_runs, which tells each item the next),
+// each given the keys it sees — [start, len), the last `window` of them where a window is
+// set — and where its query heads sit in q and out. A sequence with no context gets zeros.
+// Plain C++ and OpenMP: it builds with either form's flags.
 #pragma once
 
 #include <algorithm>
