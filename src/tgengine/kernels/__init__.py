@@ -6,9 +6,8 @@
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
 the latter on a weight packed once into 16-row panels (``pack_panels``, or ``quantize_panels``:
 int8 with a float32 scale per output row, weight-only quantization); ``elementwise``
-fuses each layer's element-wise work (``elementwise.cpp``; for bf16, 16 lanes at a time in
-``elementwise_avx512.cpp`` where the AVX-512 BF16 kernels run, the same bits);
-``argmax_rows`` is greedy decoding's argmax (``argmax.cpp``); ``decode_layer`` runs a whole
+fuses each layer's element-wise work (``elementwise*.cpp``); ``argmax_rows`` is greedy
+decoding's argmax (``argmax.cpp``); ``decode_layer`` runs a whole
 layer of a decode step in one call (``decode_layer.cpp``); ``pair_panels`` runs products on
 bf16 weights packed for AVX-512 BF16 (``pair_panels*.cpp``: that variant where the CPU has
 it, a portable twin of the same layout and blocking everywhere). The library is
@@ -66,8 +65,7 @@ _SOURCE_FLAGS = {
     "pair_panels.cpp": ["-fno-associative-math"],
     "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
     "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
-    # Its 8-lane tails use simd.h's AVX2 + FMA + F16C helpers, which -mavx512f does not imply.
-    "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],
+    "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],  # simd.h's AVX2 tails
 }
 _FLAGS = [
     "-O3",
@@ -338,9 +336,8 @@ def paged_prefill(
 
 
 def avx512_bf16() -> bool:
-    """Whether the AVX-512 BF16 kernels run: the bf16 decode attention
-    (``paged_attention_avx512.cpp``), the bf16 element-wise kernels' 16-lane forms
-    (``elementwise_avx512.cpp``) and the pair panels ``Gemm`` packs bf16 weights into
+    """Whether the AVX-512 BF16 kernels run: bf16 decode attention and element-wise work
+    (``*_avx512.cpp``) and the pair panels ``Gemm`` packs bf16 weights into
     (``pair_panels``). On where the CPU has AVX-512 BF16, unless ``TGENGINE_AVX512_BF16=0``
     is in the environment or ``set_avx512_bf16(False)`` was called."""
     lib = load()
