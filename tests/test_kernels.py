@@ -109,10 +109,10 @@ def test_bf16_decode_attention_with_and_without_avx512_bf16_matches_the_torch_pa
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_bf16_decode_attention_gives_the_same_bits_at_any_thread_count(window: int | None) -> None:
-    # The AVX-512 BF16 form gives each thread one run of consecutive (sequence, KV head)
-    # items of about the same number of positions (so it can fetch the next item's keys
-    # early); contexts of no tokens get zeros. Each item is computed alone: the same bits
-    # however the runs fall.
+    # The AVX-512 BF16 form splits the (sequence, KV head) items into runs of consecutive
+    # items of about the same number of positions, a few a thread (so that it can fetch the
+    # next item's keys early); contexts of no tokens get zeros. Each item is computed alone:
+    # the same bits however the runs fall.
     require_avx512_bf16()
     torch.manual_seed(3)
     block_size, num_blocks, num_heads, num_kv_heads, head_dim = 16, 512, 9, 3, 64

@@ -13,9 +13,9 @@
 // The reads, not the arithmetic, bound it at 32 sequences (contexts from DRAM, in 2 KB blocks
 // anywhere: one core reads such a pattern at 22-25 GB/s, not its 40 of one stream), so it keeps
 // the memory busy: each tile of the score pass fetches its value rows too, for the values'
-// pass to find them in cache, and each thread takes one run of consecutive items
-// (tg_decode::for_each_item_in_runs) and fetches the next item's keys before its softmax and
-// during its values' pass. Built with -mavx512f -mavx512bw -mavx512bf16 on any machine
+// pass to find them in cache, and the items go in runs of consecutive ones, a few a thread
+// (tg_decode::for_each_item_in_runs), each fetching the next item's keys before its softmax
+// and during its values' pass. Built with -mavx512f -mavx512bw -mavx512bf16 on any machine
 // (kernels/__init__.py), run only where the CPU has them: tg_paged_decode asks
 // tg_use_avx512_bf16 first. Handles head dims that are multiples of 32 and groups of up to
 // 8 query heads; 1 (refused) otherwise, and tg_paged_decode takes its own path.

@@ -1,7 +1,7 @@
 // The work items of one decode attention call, for each of its forms (paged_attention.cpp,
 // paged_attention_avx512.cpp): one item a (sequence, KV head) pair, spread over the threads
-// (contexts differ in length: dynamically, for_each_item, or in one run of consecutive items
-// of about equal positions a thread, for_each_item_in_runs, which tells each item the next),
+// (contexts differ in length: dynamically, for_each_item, or in runs of consecutive items of
+// about equal positions, for_each_item_in_runs, which tells each item the next),
 // each given the keys it sees — [start, len), the last `window` of them where a window is
 // set — and where its query heads sit in q and out. A sequence with no context gets zeros.
 // Plain C++ and OpenMP: it builds with either form's flags.
@@ -82,9 +82,11 @@ int for_each_item(const T* cache, const int64_t* tables, const int64_t* lens, T*
   return 0;
 }
 
-// for_each_item's work, each thread given one run of consecutive items of about the same
-// number of positions as the others' (so that it knows which item comes next):
-// attend(scratch, item, next) with next the thread's next item with a context, or null.
+constexpr int64_t kRunsPerThread = 4;
+
+// for_each_item's work in runs of consecutive items of about the same number of positions,
+// kRunsPerThread a thread, each run on one thread (so that it knows which item comes next):
+// attend(scratch, item, next) with next the run's next item with a context, or null.
 template <typename T, int D, typename Scratch, typename Attend>
 int for_each_item_in_runs(const T* cache, const int64_t* tables, const int64_t* lens, T* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -102,11 +104,13 @@ int for_each_item_in_runs(const T* cache, const int64_t* tables, const int64_t* 
   };
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total += cost(s) * num_kv_heads;
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(threads, count));
-#pragma omp parallel num_threads(static_cast<int>(runs))
+  // A few runs a thread, taken dynamically: a thread the OS holds back (a busy core) leaves
+  // its other runs to the rest.
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(threads * kRunsPerThread, count));
+#pragma omp parallel num_threads(threads)
   {
     Scratch scratch;
-#pragma omp for schedule(static, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < runs; ++r) {
       // Run r: the items whose positions before them, of the total, fall in [r, r + 1) / runs.
       int64_t first = -1, last = -1, before = 0;
