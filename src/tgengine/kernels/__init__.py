@@ -54,7 +54,8 @@ _SOURCES = tuple(
     )
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(n) for n in ("simd.h", "pair_panels.h", "paged_decode_items.h")
+    Path(__file__).with_name(n)
+    for n in ("simd.h", "simd512.h", "pair_panels.h", "paged_decode_items.h")
 )
 # Flags of some sources beyond _FLAGS. The AVX-512 ones are built for an ISA beyond the
 # machine's own (-march=native): their code runs only where the CPU has it (each says how it

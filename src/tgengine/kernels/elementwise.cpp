@@ -34,6 +34,10 @@ using tg::round_to;
 using tg::store8;
 using tg::exp8;
 using tg::to_float;
+using tg::activate;
+using tg::activate8;
+using tg::kGeluTanh;
+using tg::kSilu;
 
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which one thread is quicker
 
@@ -144,36 +148,7 @@ int rope_store_kv(T* qkv, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
   return 0;
 }
 
-// ---- gate activation * up ---------------------------------------------------------------
-constexpr int kSilu = 0;
-constexpr int kGeluTanh = 1;
-constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluKappa = 0.044715f;
-
-// silu(x) = x / (1 + exp(-x)); gelu_tanh(x) = x / 2 * (1 + tanh(y)), y = b (x + k x^3),
-// computed as x / (1 + exp(-2y)), the same value without torch's cancellation in 1 + tanh(y)
-// where y << 0 (there torch's own result is off by up to a few units in its last place).
-template <int Act>
-inline __m256 activate8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  __m256 t = x;  // silu: exp(-x)
-  if constexpr (Act == kGeluTanh) {
-    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-    t = _mm256_mul_ps(_mm256_set1_ps(2.f * kGeluBeta),
-                      _mm256_fmadd_ps(_mm256_set1_ps(kGeluKappa), cube, x));
-  }
-  return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), t))));
-}
-
-template <int Act>
-inline float activate(float x) {
-  if constexpr (Act == kSilu) {
-    return x / (1.f + std::exp(-x));
-  } else {
-    return x / (1.f + std::exp(-2.f * kGeluBeta * (x + kGeluKappa * x * x * x)));
-  }
-}
-
+// ---- gate activation * up (tg::activate8, simd.h) ---------------------------------------
 // out [rows][inter] = round(round(act(gate)) * up), gate_up [rows][2 * inter] = [gate | up].
 template <typename T, int Act>
 int act_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads) {

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "simd.h"
+#include "simd512.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && \
     defined(__F16C__)
@@ -19,6 +20,7 @@
 
 namespace {
 
+using tg::exp16;
 using tg::round_to;
 using tg::to_float;
 
@@ -45,26 +47,6 @@ inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(rounded_bits(v)); }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(v), 16)));
-}
-
-// tg::exp8, 16 lanes.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i scale =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
 }
 
 // ---- residual add + RMSNorm (elementwise.cpp's add_rms_norm_row) -------------------------
@@ -137,11 +119,13 @@ void rotate(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t rot_d
   }
 }
 
-// ---- gate activation * up (elementwise.cpp's activate8 and act_mul) -----------------------
-constexpr int kSilu = 0;
-constexpr int kGeluTanh = 1;
-constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluKappa = 0.044715f;
+// ---- gate activation * up (elementwise.cpp's act_mul; tg::activate, simd.h) -----------
+using tg::activate;
+using tg::activate8;
+using tg::kGeluBeta;
+using tg::kGeluKappa;
+using tg::kGeluTanh;
+using tg::kSilu;
 
 template <int Act>
 inline __m512 activate16(__m512 x) {
@@ -153,27 +137,6 @@ inline __m512 activate16(__m512 x) {
                       _mm512_fmadd_ps(_mm512_set1_ps(kGeluKappa), cube, x));
   }
   return _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), t))));
-}
-
-template <int Act>
-inline __m256 activate8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  __m256 t = x;
-  if constexpr (Act == kGeluTanh) {
-    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-    t = _mm256_mul_ps(_mm256_set1_ps(2.f * kGeluBeta),
-                      _mm256_fmadd_ps(_mm256_set1_ps(kGeluKappa), cube, x));
-  }
-  return _mm256_div_ps(x, _mm256_add_ps(one, tg::exp8(_mm256_sub_ps(_mm256_setzero_ps(), t))));
-}
-
-template <int Act>
-inline float activate(float x) {
-  if constexpr (Act == kSilu) {
-    return x / (1.f + std::exp(-x));
-  } else {
-    return x / (1.f + std::exp(-2.f * kGeluBeta * (x + kGeluKappa * x * x * x)));
-  }
 }
 
 template <int Act>

@@ -3,6 +3,7 @@
 // (AVX2 + FMA + F16C). Types: float, uint16_t for bfloat16 (its bits) and _Float16.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -41,6 +42,24 @@ inline float round_to(float x) {
   T t;
   from_float(x, &t);
   return to_float(t);
+}
+
+// Gate activations (elementwise kernels): silu(x) = x / (1 + exp(-x)); gelu_tanh(x) =
+// x / 2 * (1 + tanh(y)), y = b (x + k x^3), computed as x / (1 + exp(-2y)), the same value
+// without torch's cancellation in 1 + tanh(y) where y << 0 (there torch's own result is off
+// by up to a few units in its last place).
+constexpr int kSilu = 0;
+constexpr int kGeluTanh = 1;
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+template <int Act>
+inline float activate(float x) {
+  if constexpr (Act == kSilu) {
+    return x / (1.f + std::exp(-x));
+  } else {
+    return x / (1.f + std::exp(-2.f * kGeluBeta * (x + kGeluKappa * x * x * x)));
+  }
 }
 
 }  // namespace tg
@@ -130,6 +149,19 @@ inline __m256 exp8(__m256 x) {
   const __m256i scale = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+
+// The gate activation of 8 lanes (activate's, with exp8).
+template <int Act>
+inline __m256 activate8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  __m256 t = x;  // silu: exp(-x)
+  if constexpr (Act == kGeluTanh) {
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    t = _mm256_mul_ps(_mm256_set1_ps(2.f * kGeluBeta),
+                      _mm256_fmadd_ps(_mm256_set1_ps(kGeluKappa), cube, x));
+  }
+  return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), t))));
 }
 
 }  // namespace tg
