@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidRequestError
-from ..kernels.pair_panels import empty_pair_panels, unpack_pair_panels, write_pair_panel_rows
+from ..kernels.pair_panels import empty_pair_panels, write_pair_panel_rows
 from ..models import CausalLM
 from ..models.gemm import LinearWeights, Panels
 from ..models.weights import copy_weights
@@ -38,19 +38,15 @@ class PanelGroup:
 
     @property
     def rows(self) -> int:
-        return sum(int(s[0]) for s in self.shapes)
+        return self.row0(len(self.shapes))
 
     def row0(self, index: int) -> int:
         return sum(int(s[0]) for s in self.shapes[:index])
 
     def dense(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s plain value, read back from the panels."""
-        row0, rows = self.row0(index), int(self.shapes[index][0])
-        first, last = row0 // 16, (row0 + rows - 1) // 16
-        plain = unpack_pair_panels(
-            self.panels[first : last + 1], (last + 1 - first) * 16, int(self.shapes[index][1])
-        )
-        return plain[row0 - first * 16 : row0 - first * 16 + rows]
+        row0 = self.row0(index)
+        return self.packed().rows_at(torch.arange(row0, row0 + int(self.shapes[index][0])))
 
     def packed(self) -> Panels:
         """The panels as the weight's packed form."""
