@@ -29,7 +29,7 @@ def vm_flags(address: int) -> list[str]:
 def test_a_big_buffer_is_advised_onto_huge_pages() -> None:
     if not THP.exists() or "[madvise]" not in THP.read_text():
         pytest.skip("transparent huge pages are not in madvise mode here: nothing to ask")
-    big = huge_pages.empty(8 << 20, dtype=torch.uint8)
+    big = huge_pages.empty([8 << 20], torch.uint8)
     assert big.shape == (8 << 20,) and big.dtype == torch.uint8
     big.fill_(7)
     assert "hg" in vm_flags(big.data_ptr() + (4 << 20))  # MADV_HUGEPAGE on its mapping
@@ -38,8 +38,9 @@ def test_a_big_buffer_is_advised_onto_huge_pages() -> None:
 
 
 def test_small_buffers_and_the_switch_are_plain(monkeypatch: pytest.MonkeyPatch) -> None:
-    small = huge_pages.empty(3, 5, dtype=torch.float32)
+    small = huge_pages.empty((3, 5), torch.float32)
     assert small.shape == (3, 5) and small.dtype == torch.float32
+    assert huge_pages.empty(torch.Size([]), torch.float32).shape == ()  # a scalar's too
     huge_pages._madvise.cache_clear()
     monkeypatch.setenv("TGENGINE_HUGE_PAGES", "0")
     try:

@@ -75,7 +75,7 @@ def _fresh_memcpy_seconds(named: Named, repeats: int) -> float:
     for _ in range(repeats):
         gc.collect()
         start = time.perf_counter()
-        dst = [huge_pages.empty(*t.shape, dtype=t.dtype) for _, t in named]
+        dst = [huge_pages.empty(t.shape, t.dtype) for _, t in named]
         for d, (_, t) in zip(dst, named, strict=True):
             d.copy_(t)
         best = min(best, time.perf_counter() - start)

@@ -257,7 +257,7 @@ class WeightUpdate:
         for name, tensor in part:
             dtype, t = self._specs[name][1], tensor.detach()
             if on_cpu and t.device.type == "cpu" and (copy or t.dtype != dtype):
-                staged[name] = huge_pages.empty(*t.shape, dtype=dtype)  # faults 2 MiB a time
+                staged[name] = huge_pages.empty(t.shape, dtype)  # faults 2 MiB a time
                 staged[name].copy_(t)
             else:
                 staged[name] = t.to(self._device, dtype, copy=copy).contiguous()

@@ -173,7 +173,7 @@ def read_weights(
     with open(file, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if buffer is None or buffer.numel() < size:
-            buffer = huge_pages.empty(max(size, 1), dtype=torch.uint8)
+            buffer = huge_pages.empty([max(size, 1)], torch.uint8)
         view = memoryview(buffer.numpy().data).cast("B")[:size]
         done = 0
         while done < size:
@@ -198,7 +198,6 @@ def view_weights(buffer: memoryview) -> list[tuple[str, torch.Tensor]]:
 
 def _views(buffer: Any, stored: list[StoredTensor]) -> list[tuple[str, torch.Tensor]]:
     """Each stored tensor as a view of ``buffer`` (the whole file's bytes)."""
-    mapped = buffer
     named: list[tuple[str, torch.Tensor]] = []
     for t in stored:
         element = torch.empty((), dtype=t.dtype).element_size()
@@ -208,10 +207,10 @@ def _views(buffer: Any, stored: list[StoredTensor]) -> list[tuple[str, torch.Ten
             named.append((t.name, torch.empty(t.shape, dtype=t.dtype)))
             continue
         if t.begin % element:  # another writer's file: this one's bytes copied, aligned
-            raw = torch.frombuffer(mapped, dtype=torch.uint8, offset=t.begin, count=t.end - t.begin)
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=t.begin, count=t.end - t.begin)
             flat = raw.clone().view(t.dtype)
         else:
-            flat = torch.frombuffer(mapped, dtype=t.dtype, offset=t.begin, count=t.shape.numel())
+            flat = torch.frombuffer(buffer, dtype=t.dtype, offset=t.begin, count=t.shape.numel())
         named.append((t.name, flat.view(t.shape)))
     return named
 

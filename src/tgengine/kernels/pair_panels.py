@@ -50,9 +50,8 @@ def pack_pair_panel_blocks(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def empty_pair_panels(rows: int, cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Pair panels for a ``[rows, cols]`` weight, their padding zero and the rest unset."""
-    panels = huge_pages.empty(
-        -(-rows // PANEL), -(-cols // 2), PANEL, 2, dtype=torch.bfloat16, device=device
-    )
+    shape = (-(-rows // PANEL), -(-cols // 2), PANEL, 2)
+    panels = huge_pages.empty(shape, torch.bfloat16, device)
     if rows % PANEL:
         panels[-1, :, rows % PANEL :].zero_()
     if cols % 2:

@@ -14,7 +14,7 @@ import ctypes
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -51,9 +51,12 @@ def advise(tensor: torch.Tensor) -> None:
         madvise(start, end - start, _MADV_HUGEPAGE)  # a refusal leaves small pages: fine
 
 
-def empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.empty`` whose pages, when first written, are huge where that is offered."""
-    tensor = torch.empty(*shape, dtype=dtype, device=device)
+def empty(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``torch.empty(shape)`` whose pages, when first written, are huge where that is
+    offered."""
+    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
     if tensor.nbytes >= _HUGE:
         advise(tensor)
     return tensor

@@ -228,7 +228,7 @@ class _BufferSink:
 
     def __init__(self, content_length: str | None) -> None:
         expected = int(content_length) if content_length and content_length.isdigit() else 0
-        self._view = _bytes(huge_pages.empty(expected, dtype=torch.uint8)) if expected else None
+        self._view = _bytes(huge_pages.empty([expected], torch.uint8)) if expected else None
         self._pieces: list[bytes] = []
         self._size = 0
 
