@@ -86,3 +86,39 @@ async def test_each_rank_takes_only_its_shard(tiny_llama_dir: Path, tmp_path: Pa
             tg.cancel_scope.cancel()
     assert got == want
     assert child_pids() == before
+
+
+def shared_weight_dirs() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("tgengine-weights-*")}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_updates_committed_asleep_apply_in_order_at_the_weights_wakeup(
+    tiny_llama_dir: Path, tmp_path: Path, level: int
+) -> None:
+    first = list(iter_safetensors(make_tiny_model_dir(tmp_path / "a", arch="llama", seed=2)))
+    new_dir = make_tiny_model_dir(tmp_path / "b", arch="llama", seed=1)
+    prompts = make_prompts(vocab_size=384, count=2)
+    want = [hf_greedy(new_dir, p, MAX_TOKENS) for p in prompts]
+    named = list(iter_safetensors(new_dir))
+    config = tiny_config(tiny_llama_dir, executor="mp", tensor_parallel_size=2)
+    before, files = child_pids(), shared_weight_dirs()
+    engine = Engine(config, executor=MPExecutor(config, agent_factory=ShardTakingAgent))
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await engine.sleep(level)
+            for update_named in (first, named):  # the later one must win
+                async with engine.weight_update() as update:
+                    for i in range(0, len(update_named), 4):
+                        await update.push(update_named[i : i + 4])
+            assert engine.weight_version == 2
+            assert len(shared_weight_dirs() - files) == 2  # they wait there, asleep
+            await engine.wakeup(["weights"])
+            assert shared_weight_dirs() == files
+            await engine.wakeup(["kv_cache"])
+            got = [tokens_of(r) for r in await generate_all(engine, prompts, greedy(MAX_TOKENS))]
+            tg.cancel_scope.cancel()
+    assert got == want
+    assert child_pids() == before
+    assert shared_weight_dirs() == files

@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..executor import Executor, make_executor
 from ..executor.base import AbsorbsParts, StagesWeights
+from ..executor.uni_executor import UniExecutor
 from ..outputs import FinishReason, RequestOutput
 from ..runtime.groups import root_cause
 from ..sampling import SamplingParams
@@ -337,7 +338,7 @@ class Engine:
         if (info := self._info) is None:
             raise IllegalStateError("update weights", str(self._state))
         # an executor in another process takes the tensors from the host
-        device = torch.device(info.device if isinstance(self._executor, StagesWeights) else "cpu")
+        device = torch.device(info.device if isinstance(self._executor, UniExecutor) else "cpu")
         executor = self._executor
         absorber = _ExecutorAbsorber(self, executor) if isinstance(executor, AbsorbsParts) else None
         return WeightUpdate(

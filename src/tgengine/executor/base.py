@@ -52,8 +52,9 @@ class AgentFactory(Protocol):
 
 @runtime_checkable
 class StagesWeights(Protocol):
-    """An executor that can take a weight update while its weights sleep (``UniExecutor``):
-    the tensors wait for the next ``wakeup("weights")``, which builds the weights from them."""
+    """An executor that can take a weight update while its weights sleep: the tensors wait
+    for the next ``wakeup("weights")``, which builds the weights from them (``UniExecutor``)
+    or applies them once the weights are back (``MPExecutor``)."""
 
     async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
 

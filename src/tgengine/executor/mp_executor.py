@@ -4,6 +4,9 @@ Each worker (``mp_worker``) runs one rank's ``ModelAgent`` under the agent's own
 ``run()``. A step is pickled once and the same bytes go to every rank over its socket;
 rank 0's reply carries the sampled tokens. Weights for ``update_weights`` travel as one
 safetensors file in ``/dev/shm``, which each rank maps and copies only its shard from.
+An update committed while the weights sleep stays in its file until ``wakeup("weights")``,
+which brings the weights back (from host memory or the model directory) and then applies
+every such file, in order, as ``update_weights`` would have.
 A rank that dies, or raises, is a fault: the pending call fails at once with a
 ``WorkerError`` that names the rank (the engine dies of it), and ``run()`` raises it when
 no call was pending.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -76,6 +80,7 @@ class MPExecutor:
         self._memory: dict[int, dict[str, MemoryStats]] = {}
         self._fault: BaseException | None = None
         self._abandoned = False
+        self._staged: list[Path] = []  # updates committed asleep, for the next weights wakeup
         self.timings = StepTimings()
 
     @property
@@ -108,6 +113,9 @@ class MPExecutor:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._reap()
+            for path in self._staged:
+                remove_weights_dir(path)
+            self._staged = []
             self._memory = {rank: _released(m) for rank, m in self._memory.items()}
 
     def _merged_info(self) -> AgentInfo:
@@ -186,7 +194,17 @@ class MPExecutor:
         await self._broadcast(Sleep(level))
 
     async def wakeup(self, tag: str) -> bool:
-        return any(await self._broadcast(Wakeup(tag)))
+        reloaded = any(await self._broadcast(Wakeup(tag)))
+        if tag == "weights":
+            while self._staged:  # each file goes once applied: a failure keeps the rest
+                await self._broadcast(UpdateWeights(str(self._staged[0])))
+                remove_weights_dir(self._staged.pop(0))
+        return reloaded
+
+    async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep checked tensors (the engine checked them) for the next ``wakeup("weights")``:
+        written to ``/dev/shm`` now; the ranks take their shards after that wakeup."""
+        self._staged.append(await anyio.to_thread.run_sync(write_weights_dir, named))
 
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Every rank checks the full tensors; only if all pass does any rank apply them."""
