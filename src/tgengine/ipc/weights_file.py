@@ -10,6 +10,7 @@ only what it keeps (a rank of the ``mp`` executor: its shard).
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -72,8 +73,10 @@ def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) ->
     """Write ``named`` as one safetensors file; returns its size in bytes (blocking).
 
     An existing file is written over in place and then cut to size: in ``/dev/shm`` its
-    pages are then reused, not allocated again (a page each 4 KiB)."""
+    pages are then reused, not allocated again (a page each 4 KiB). ``OSError`` (``ENOSPC``)
+    before anything is written where the file system has no room for it."""
     size, pieces = safetensors_pieces(named)
+    check_room(file, size)
     fd = os.open(file, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         for piece in pieces:
@@ -82,6 +85,27 @@ def write_weights_file(named: Iterable[tuple[str, torch.Tensor]], file: Path) ->
     finally:
         os.close(fd)
     return size
+
+
+def check_room(file: Path, size: int) -> None:
+    """Raise ``OSError`` (``ENOSPC``) unless ``file`` can grow to ``size`` bytes where it is.
+
+    ``/dev/shm`` is often small (64 MiB in a container by default): a part that does not fit
+    fails here, saying so, and not midway with a bare "No space left on device"."""
+    try:
+        have = file.stat().st_size
+    except FileNotFoundError:
+        have = 0
+    stats = os.statvfs(file.parent)
+    free = stats.f_bavail * stats.f_frsize
+    if size - have > free:
+        mib = 1 << 20
+        raise OSError(
+            errno.ENOSPC,
+            f"{file.parent.parent} has {free / mib:.0f} MiB free, and the weights need "
+            f"{(size - have) / mib:.0f} MiB more (a container's /dev/shm: --shm-size)",
+            str(file),
+        )
 
 
 def safetensors_pieces(
