@@ -51,9 +51,7 @@ class EngineModel:
     weights: str = "A"  # the weight set resident (or offloaded): "A" on disk, "B" pushed
     host_copy: bool = False  # level-1 sleep keeps the weights in host memory
     version: int = 0
-    # an update while the weights sleep waits for their wakeup (in-process executors only:
-    # the mp one refuses it); the weight set it holds
-    stages: bool = True
+    # an update while the weights sleep waits for their wakeup; the weight set it holds
     staged: str | None = None
 
     @property
@@ -155,8 +153,6 @@ class EngineModel:
         if self.state not in (S.RUNNING, S.PAUSED, S.SLEEPING):
             return IllegalStateError
         asleep = "weights" in self.sleeping
-        if asleep and not self.stages:
-            return EngineSleepingError
         if weights is None or (kept_kv == "reuse" and self.state is S.SLEEPING):
             return ValueError  # InvalidRequestError
         if asleep:

@@ -332,7 +332,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not checker_problems(), checker_problems()  # the block check the machine uses
         self.weights = weight_sets(str(self.dir_a), str(self.dir_b))
         self.driver: EngineDriver | None = None
-        self.model = EngineModel("reject", stages=self.kind != "mp")
+        self.model = EngineModel("reject")
         self.when_asleep = "reject"
         self.ids = itertools.count()
         self.num_engines = 0
@@ -358,7 +358,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
         self.num_engines += 1
         self.driver = EngineDriver(self.portal, config, self.num_engines, self.kind)
-        self.model = EngineModel(when_asleep, stages=self.kind != "mp")
+        self.model = EngineModel(when_asleep)
         if self.d.inside:
             total = self.d.run_sync(lambda: self.d.engine.stats().num_total_blocks)
             assert total == NUM_BLOCKS, f"{total} KV blocks planned, {NUM_BLOCKS} wanted"
