@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from server_helpers import ADMIN_KEY, MODEL, TIMEOUT, running_server
-from tgengine import EngineClient, ProcessEngine
+from tgengine import Engine, EngineClient, ProcessEngine
 from tgengine.engine.request_stats import RequestStats, StepStats
 from tgengine.ipc import weights_file
 from tgengine.ipc.weights_file import write_weights_file
@@ -300,3 +300,69 @@ async def test_parts_over_http_reach_an_engine_process(
             tg.cancel_scope.cancel()
     assert text == engine.tokenizer.decode(hf_greedy(other_dir, PROMPT, 8))
     assert child_pids() == before
+
+
+@pytest.mark.parametrize("where", ["server", "engine process"])
+async def test_parts_by_their_path_in_shared_memory(
+    tiny_llama_dir: Path, other_dir: Path, tmp_path: Path, where: str
+) -> None:
+    """A trainer on the same host writes each part to a file in /dev/shm itself and posts
+    its path: the server's engine (or its engine process) reads it before the answer, and
+    the file stays the trainer's (written over by the next part). A path outside /dev/shm,
+    or leading out of it, is a 400 naming ``path``; an oversized file a 413."""
+    named = list(iter_safetensors(other_dir))
+    name, tensor = named[0]
+    before_pids = child_pids()
+    engine: EngineClient = (
+        ProcessEngine(tiny_config(tiny_llama_dir))
+        if where == "engine process"
+        else Engine(tiny_config(tiny_llama_dir))
+    )
+    limit = max(t.nbytes for _, t in named) * 4
+    config = ServerConfig(
+        port=0, admin_key=ADMIN_KEY, served_model_name=MODEL, max_weight_part_bytes=limit
+    )
+    server = Server(engine, config)
+    shared = weights_file.new_weights_dir()
+    outside = tmp_path / "part.safetensors"
+    write_weights_file(named[:1], outside)
+    (shared / "link.safetensors").symlink_to(outside)
+    write_weights_file(named, shared / "whole.safetensors")  # over the limit
+    write_weights_file([(name, tensor[:1])], shared / "bad.safetensors")
+    file = shared / "part.safetensors"
+    try:
+        with anyio.fail_after(2 * TIMEOUT):
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                await tg.start(server.run)
+                headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+                    before = await tokens(http)
+                    update_id = (await http.post(UPDATES)).json()["id"]
+                    route = f"{UPDATES}/{update_id}/parts/shared"
+                    for path in [outside, shared / "link.safetensors", shared / "none", shared]:
+                        refused = await http.post(route, json={"path": str(path)})
+                        assert refused.status_code == 400, refused.text
+                        assert refused.json()["error"]["param"] == "path"
+                    refused = await http.post(
+                        route, json={"path": str(shared / "whole.safetensors")}
+                    )
+                    assert refused.status_code == 413, refused.text
+                    refused = await http.post(route, json={"path": str(shared / "bad.safetensors")})
+                    assert refused.status_code == 400
+                    assert f"{name}: shape" in refused.json()["error"]["message"]
+                    for i in range(0, len(named), 3):
+                        write_weights_file(named[i : i + 3], file)  # written over
+                        got = await http.post(route, json={"path": str(file)})
+                        assert got.status_code == 200, got.text
+                        assert got.json()["num_parts"] == i // 3 + 1
+                        assert file.exists(), "the trainer's file"
+                        assert await tokens(http) == before  # nothing applies before the commit
+                    committed = await http.post(f"{UPDATES}/{update_id}/commit")
+                    assert committed.json()["weight_version"] == 1, committed.text
+                    text = await tokens(http)
+                tg.cancel_scope.cancel()
+    finally:
+        weights_file.remove_weights_dir(shared)
+    assert text == engine.tokenizer.decode(hf_greedy(other_dir, PROMPT, 8))
+    assert child_pids() == before_pids

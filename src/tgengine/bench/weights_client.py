@@ -5,7 +5,9 @@ trainer's weights, held in memory before the clock starts), then times one updat
 parts: open it, send each part as a safetensors body, commit. It prints one JSON line:
 ``seconds``, ``peak_rss_over_bytes`` (its RSS sampled over the update, above the RSS with
 the weights loaded) and ``weight_version`` after the commit. Each body is streamed from the
-tensors' own memory (``safetensors_pieces``), as a trainer would send them.
+tensors' own memory (``safetensors_pieces``), as a trainer would send them; with
+``"shared": true`` in the spec each part is written to one file in /dev/shm instead (written
+over by the next) and its path posted to ``parts/shared``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,13 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
     import anyio
     import httpx
 
-    from ..ipc.weights_file import safetensors_pieces
+    from ..ipc.weights_file import (
+        FILE_NAME,
+        new_weights_dir,
+        remove_weights_dir,
+        safetensors_pieces,
+        write_weights_file,
+    )
 
     parts = await anyio.to_thread.run_sync(_load, spec)
     headers = {"Authorization": f"Bearer {spec['admin_key']}"}
@@ -77,15 +85,26 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
             opened = await http.post("/weights/updates")
             opened.raise_for_status()
             update = opened.json()["id"]
-            for part in parts:
-                # the body streamed from the tensors' own memory: no serialized copy
-                size, pieces = safetensors_pieces(part.items(), PIECE_BYTES)
-                sent = await http.post(
-                    f"/weights/updates/{update}/parts",
-                    content=_bytes(pieces),
-                    headers={"Content-Length": str(size)},
-                )
-                sent.raise_for_status()
+            shared = await anyio.to_thread.run_sync(new_weights_dir) if spec["shared"] else None
+            try:
+                for part in parts:
+                    if shared is not None:  # written to /dev/shm here, its path posted
+                        file = shared / FILE_NAME
+                        await anyio.to_thread.run_sync(write_weights_file, part.items(), file)
+                        sent = await http.post(
+                            f"/weights/updates/{update}/parts/shared", json={"path": str(file)}
+                        )
+                    else:  # the body streamed from the tensors' own memory: no serialized copy
+                        size, pieces = safetensors_pieces(part.items(), PIECE_BYTES)
+                        sent = await http.post(
+                            f"/weights/updates/{update}/parts",
+                            content=_bytes(pieces),
+                            headers={"Content-Length": str(size)},
+                        )
+                    sent.raise_for_status()
+            finally:
+                if shared is not None:
+                    remove_weights_dir(shared)
             committed = await http.post(f"/weights/updates/{update}/commit")
             committed.raise_for_status()
             seconds = time.perf_counter() - start

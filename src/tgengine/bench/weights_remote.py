@@ -156,7 +156,8 @@ async def http_rows(
     setup: BenchSetup, named: Named, part_bytes: int, repeats: int, *, engine_process: bool
 ) -> list[dict[str, Any]]:
     """A client process pushes the update over HTTP to a server in this process, whose
-    engine runs here (``engine_process`` False) or in an engine process of its own."""
+    engine runs here (``engine_process`` False) or in an engine process of its own: each
+    part as the body, then (another update) each part's path in /dev/shm."""
     config = engine_config(setup)
     engine: EngineClient = ProcessEngine(config) if engine_process else Engine(config)
     server = Server(engine, ServerConfig(port=0, admin_key=ADMIN_KEY))
@@ -172,18 +173,26 @@ async def http_rows(
             "dtype": dtype,
             "part_bytes": part_bytes,
         }
-        runs = []
-        for _ in range(repeats):
-            runs.append(await _http_once(spec, engine, engine_process))
+        ways = {}
+        for shared in (False, True):
+            ways[shared] = [
+                await _http_once({**spec, "shared": shared}, engine, engine_process)
+                for _ in range(repeats)
+            ]
         tg.cancel_scope.cancel()
     where = "an engine process" if engine_process else "the server's process"
-    name = f"HTTP from another process, engine in {where}: {runs[0][2]['num_parts']} parts"
-    seconds = min(r[2]["seconds"] for r in runs)
-    for _, peaks, result in runs:
-        peaks["client"] = result["peak_rss_over_bytes"]
-    if engine_process:
-        return [_row(name, runs, "engine", "client", "server", seconds=seconds)]
-    return [_row(name, runs, "server", "client", seconds=seconds)]
+    rows = []
+    for shared, runs in ways.items():
+        how = "paths in /dev/shm" if shared else "parts"
+        name = f"HTTP from another process, engine in {where}: {runs[0][2]['num_parts']} {how}"
+        seconds = min(r[2]["seconds"] for r in runs)
+        for _, peaks, result in runs:
+            peaks["client"] = result["peak_rss_over_bytes"]
+        if engine_process:
+            rows.append(_row(name, runs, "engine", "client", "server", seconds=seconds))
+        else:
+            rows.append(_row(name, runs, "server", "client", seconds=seconds))
+    return rows
 
 
 async def _http_once(

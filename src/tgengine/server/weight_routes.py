@@ -4,8 +4,11 @@
 each ``POST /weights/updates/{id}/parts`` carries one part as a safetensors body, streamed
 into a file in shared memory (the engine, or its process, maps it from there); ``POST
 /weights/updates/{id}/commit`` applies every part at once; ``DELETE /weights/updates/{id}``
-drops it. A bad part is a 400 naming the tensor and leaves the update open, without that
-part. An update abandoned (its client disconnected while sending a part, or no part for
+drops it. A trainer on the same host may write a part to a file in ``/dev/shm`` itself and
+``POST /weights/updates/{id}/parts/shared`` its path instead (the body never crosses the
+socket; the file is read once before the answer, then it is the trainer's again). A bad
+part is a 400 naming the tensor and leaves the update open, without that part. An update
+abandoned (its client disconnected while sending a part, or no part for
 ``weight_update_timeout`` seconds) is aborted: nothing of it applies.
 """
 
@@ -21,7 +24,13 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from ..ipc.weights_file import FILE_NAME, new_weights_dir, remove_weights_dir, write_all
+from ..ipc.weights_file import (
+    FILE_NAME,
+    SHARED_MEMORY,
+    new_weights_dir,
+    remove_weights_dir,
+    write_all,
+)
 from ..runtime import huge_pages
 from .context import ServerContext
 from .errors import APIError, unavailable
@@ -51,6 +60,10 @@ class WeightUpdateResponse(BaseModel):
     num_bytes: int
     weight_version: int  # the engine's, as of this answer
     timeout_seconds: float  # an open update without a part for this long is aborted
+
+
+class SharedPart(BaseModel):
+    path: str  # a safetensors file in /dev/shm that the server's user may read
 
 
 def is_part_path(path: str) -> bool:
@@ -144,6 +157,24 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
                 else:
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(remove_weights_dir, directory)
+        return answer(upload)
+
+    @router.post(
+        f"{PREFIX}/{{update_id}}/parts/shared",
+        response_model=WeightUpdateResponse,
+        responses=_errors(400, 404, 409, 413, 503),
+    )
+    async def shared_part(update_id: str, body: SharedPart) -> WeightUpdateResponse:
+        """Check and stage one part that the client wrote to a safetensors file in
+        ``/dev/shm`` (same host): read once before the answer; the file stays the client's
+        (to write the next part over, or remove)."""
+        upload = uploads.get(update_id)
+        uploads.check_open(upload)
+        file, size = await anyio.to_thread.run_sync(_shared_file, body.path)
+        if size > limit:
+            message = f"a part is larger than the limit of {limit} bytes"
+            raise APIError(413, message, code="request_too_large")
+        await uploads.push(upload, file, size)
         return answer(upload)
 
     @router.post(
@@ -253,6 +284,22 @@ class _BufferSink:
 
 def _bytes(buffer: torch.Tensor) -> memoryview:
     return memoryview(buffer.numpy().data).cast("B")
+
+
+def _shared_file(path: str) -> tuple[Path, int]:
+    """``path`` as a regular file in /dev/shm (links resolved: none leads out of it), and
+    its size; ``APIError`` 400 otherwise."""
+    file = Path(path)
+    try:
+        resolved = file.resolve(strict=True)
+        stat = resolved.stat()
+    except OSError as exc:
+        raise APIError(400, f"path: {path!r} cannot be read: {exc.strerror}", param="path") from exc
+    if not file.is_absolute() or not resolved.is_relative_to(SHARED_MEMORY.resolve()):
+        raise APIError(400, f"path: {path!r} is not a file in {SHARED_MEMORY}", param="path")
+    if not resolved.is_file():
+        raise APIError(400, f"path: {path!r} is not a regular file", param="path")
+    return resolved, stat.st_size
 
 
 def _open(file: Path) -> int:
