@@ -8,6 +8,10 @@
 #include <cstring>
 #include <type_traits>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 // The head dims the attention kernels are instantiated for (kernels/__init__.py's _HEAD_DIMS):
 // X(dim) for each.
 #define TG_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
@@ -21,7 +25,18 @@ inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline float to_float(_Float16 x) { return static_cast<float>(x); }
+// float16 through F16C's conversions where built with them: with native float16 arithmetic
+// (-march=native on a CPU with AVX512-FP16), GCC 12 may drop a float -> _Float16 -> float
+// round trip of plain casts (excess precision), and round_to<_Float16> with it.
+inline float to_float(_Float16 x) {
+#ifdef __F16C__
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(x);
+#endif
+}
 
 inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, uint16_t* out) {  // round to nearest even, as torch does
@@ -34,7 +49,14 @@ inline void from_float(float x, uint16_t* out) {  // round to nearest even, as t
   bits += 0x7fffu + ((bits >> 16) & 1u);
   *out = static_cast<uint16_t>(bits >> 16);
 }
-inline void from_float(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
+inline void from_float(float x, _Float16* out) {
+#ifdef __F16C__
+  const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(out, &bits, sizeof bits);
+#else
+  *out = static_cast<_Float16>(x);
+#endif
+}
 
 // x rounded to T and widened back: what torch's T arithmetic keeps of a float result.
 template <typename T>
