@@ -1,7 +1,8 @@
 """``kernels.pair_panels``: products on bf16 pair panels, every variant against torch.
 
-The ``avx512_bf16`` variant runs only on a CPU with AVX-512 BF16; elsewhere its tests skip,
-saying so, and the ``portable`` twin (the same layout and blocking) runs the same checks.
+The ``avx512_bf16`` variant runs only on a CPU with AVX-512 BF16, the ``amx`` one only where
+it has AMX tiles for bf16; elsewhere their tests skip, saying so, and the ``portable`` twin
+(the same layout and blocking as ``avx512_bf16``) runs the same checks.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from tgengine.kernels.pair_panels import (
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler for the kernels")
 
 
+_NEEDS = {"amx": "AMX tiles for bf16", "avx512_bf16": "AVX-512 BF16"}
+
+
 def _variant(name: str) -> str:
     if name not in pair_panel_variants():
-        pytest.skip(f"the {name} variant needs a CPU with AVX-512 BF16 (this one: {isa()})")
+        pytest.skip(f"the {name} variant needs a CPU with {_NEEDS[name]} (this one: {isa()})")
     return name
 
 
@@ -98,11 +102,13 @@ def test_the_variants_follow_the_cpu_flags() -> None:
     have = pair_panel_variants()
     assert have[-1] == "portable" and set(have) <= set(VARIANTS)
     assert ("avx512_bf16" in have) == (isa() in ("avx512_bf16", "amx"))
+    assert ("amx" in have) == (isa() == "amx")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 96, 64), (3, 37, 21), (4, 32, 576), (7, 1536, 576), (33, 50, 130)]
+    ("m", "n", "k"),
+    [(1, 96, 64), (3, 37, 21), (4, 32, 576), (7, 1536, 576), (33, 50, 130), (70, 40, 96)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_product_matches_torch(variant: str, m: int, n: int, k: int, with_bias: bool) -> None:
@@ -125,8 +131,10 @@ def test_a_product_matches_torch(variant: str, m: int, n: int, k: int, with_bias
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_threads_do_not_change_the_bits(threads: int) -> None:
+def test_threads_do_not_change_the_bits(variant: str, threads: int) -> None:
+    name = _variant(variant)
     torch.manual_seed(threads)
     weight = torch.randn(300, 96).to(torch.bfloat16)
     x = torch.randn(23, 96).to(torch.bfloat16)
@@ -134,9 +142,9 @@ def test_threads_do_not_change_the_bits(threads: int) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = pair_panel_linear(x, panels, 300, variant="portable")
+        one = pair_panel_linear(x, panels, 300, variant=name)
         torch.set_num_threads(threads)
-        assert torch.equal(pair_panel_linear(x, panels, 300, variant="portable"), one)
+        assert torch.equal(pair_panel_linear(x, panels, 300, variant=name), one)
     finally:
         torch.set_num_threads(before)
 
@@ -155,10 +163,49 @@ def test_avx512_bf16_agrees_with_its_portable_twin() -> None:
 
 
 def test_a_variant_that_does_not_run_here_is_refused() -> None:
-    if "avx512_bf16" in pair_panel_variants():
-        pytest.skip("this CPU runs every variant")
+    missing = [v for v in VARIANTS if v not in pair_panel_variants()]
+    if not missing:
+        pytest.skip(f"this CPU ({isa()}) runs every variant")
     panels = pack_pair_panels(torch.zeros(16, 4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="does not run here"):
-        pair_panel_linear(
-            torch.zeros(1, 4, dtype=torch.bfloat16), panels, 16, variant="avx512_bf16"
-        )
+        pair_panel_linear(torch.zeros(1, 4, dtype=torch.bfloat16), panels, 16, variant=missing[0])
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    # rows: one, part of a tile, one tile and part of a second, two, a chunk and more;
+    # inputs: whole tile steps, a tail of pairs, an odd tail, fewer than one step
+    [(1, 1536, 576), (5, 96, 64), (17, 50, 130), (32, 576, 1536), (300, 80, 61), (40, 33, 7)],
+)
+def test_amx_agrees_with_avx512_bf16_to_float32_rounding(m: int, n: int, k: int) -> None:
+    name = _variant("amx")
+    torch.manual_seed(m + n + k)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    tiles = pair_panel_linear(x, panels, n, float_output=True, variant=name)
+    pairs = pair_panel_linear(x, panels, n, float_output=True, variant="avx512_bf16")
+    # The same exact products, summed in another order: float32 rounding apart, no more.
+    scale = x.float().abs() @ weight.float().abs().T
+    assert ((tiles - pairs).abs() <= 4e-7 * scale * k**0.5 + 1e-30).all()
+    assert not torch.equal(tiles, pairs) or k < 32, "the tiles ran, not vdpbf16ps"
+
+
+def test_the_default_takes_amx_while_it_is_on() -> None:
+    name = _variant("amx")
+    torch.manual_seed(1)
+    weight = torch.randn(96, 576).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    before = pair_panels.amx()
+    try:
+        for rows in (1, 32):
+            x = torch.randn(rows, 576).to(torch.bfloat16)
+            assert pair_panels.set_amx(True)
+            tiles = pair_panel_linear(x, panels, 96, float_output=True, variant=name)
+            assert torch.equal(pair_panel_linear(x, panels, 96, float_output=True), tiles)
+            assert not pair_panels.set_amx(False) and not pair_panels.amx()
+            pairs = pair_panel_linear(x, panels, 96, float_output=True, variant="avx512_bf16")
+            assert torch.equal(pair_panel_linear(x, panels, 96, float_output=True), pairs)
+            assert not torch.equal(tiles, pairs)
+    finally:
+        pair_panels.set_amx(before)

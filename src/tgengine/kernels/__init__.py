@@ -9,8 +9,8 @@ int8 with a float32 scale per output row, weight-only quantization); ``elementwi
 fuses each layer's element-wise work (``elementwise*.cpp``); ``argmax_rows`` is greedy
 decoding's argmax (``argmax.cpp``); ``decode_layer`` runs a whole
 layer of a decode step in one call (``decode_layer.cpp``); ``pair_panels`` runs products on
-bf16 weights packed for AVX-512 BF16 (``pair_panels*.cpp``: that variant where the CPU has
-it, a portable twin of the same layout and blocking everywhere). The library is
+bf16 weights packed for AVX-512 BF16 (``pair_panels*.cpp``: AMX tiles and AVX-512 BF16
+where the CPU has them, a portable twin of the same layout and blocking everywhere). The library is
 built on first use with the system's C++ compiler (``g++ -O3 -march=native -fopenmp``, a few
 seconds of CPU) into ``$TGENGINE_CACHE`` (default ``~/.cache/tgengine``) ``/kernels/``, keyed
 by the sources, the compiler and the CPU's flags, so a warm start only loads it. Without a
@@ -49,6 +49,7 @@ _SOURCES = tuple(
         "argmax.cpp",
         "pair_panels.cpp",
         "pair_panels_avx512.cpp",
+        "pair_panels_amx.cpp",
         "pair_panel_rows.cpp",
         "paged_attention_avx512.cpp",
     )
@@ -65,6 +66,7 @@ _AVX512_BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 _SOURCE_FLAGS = {
     "pair_panels.cpp": ["-fno-associative-math"],
     "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
+    "pair_panels_amx.cpp": [*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16"],
     "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
     "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],  # simd.h's AVX2 tails
 }
@@ -109,55 +111,40 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cannot build tgengine's CPU kernels (%s): using the torch paths", exc)
         return None
-    fn = lib.tg_paged_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float]
-    fn.argtypes += [ctypes.c_int]
-    fn = lib.tg_paged_prefill
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 9, ctypes.c_float]
-    fn.argtypes += [ctypes.c_int]
-    for fn in (lib.tg_half_linear, lib.tg_panel_linear, lib.tg_panel_linear_f32):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
-    fn = lib.tg_panel_linear_q8
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int]
-    fn.argtypes += [ctypes.c_int]
-    lib.tg_half_linear_available.restype = ctypes.c_int
-    fn = lib.tg_add_rms_norm
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
-    fn.argtypes += [_PTR, ctypes.c_int]
-    fn = lib.tg_rope_store_kv
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _PTR, *[_I64] * 4, _PTR, _PTR, _I64, _PTR, _I64, _PTR]
-    fn.argtypes += [ctypes.c_int]
-    fn = lib.tg_act_mul
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_int]
-    fn = lib.tg_argmax_rows
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
-    fn = lib.tg_decode_layers  # decode_layer.py's structures
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
-    for fn in (lib.tg_pair_panel_linear, lib.tg_pair_panel_linear_avx512):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_int]
-    fn = lib.tg_pair_panel_write_rows
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, ctypes.c_int]
-    lib.tg_cpu_has_avx512_bf16.restype = ctypes.c_int
-    lib.tg_use_avx512_bf16.restype = ctypes.c_int
-    lib.tg_use_avx512_bf16.argtypes = [ctypes.c_int]
-    fn = lib.tg_paged_decode_bf16_avx512
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, ctypes.c_float, ctypes.c_int]
-    fn = lib.tg_decode_glue
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR]
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
+
+
+_INT, _F32 = ctypes.c_int, ctypes.c_float
+_PAIR_LINEAR = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT]
+_HALF_LINEAR = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT]
+_SIGNATURES: dict[str, list[type]] = {  # every function returns an int status or answer
+    "tg_paged_decode": [_INT, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _INT],
+    "tg_paged_prefill": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 9, _F32, _INT],
+    "tg_half_linear": _HALF_LINEAR,
+    "tg_panel_linear": _HALF_LINEAR,
+    "tg_panel_linear_f32": _HALF_LINEAR,
+    "tg_panel_linear_q8": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT, _INT],
+    "tg_half_linear_available": [],
+    "tg_add_rms_norm": [_INT, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT, _PTR, _INT],
+    "tg_rope_store_kv": [_INT, _PTR, *[_I64] * 4, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _INT],
+    "tg_act_mul": [_INT, _INT, _PTR, _I64, _I64, _PTR, _INT],
+    "tg_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+    "tg_decode_layers": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR],  # decode_layer.py's structures
+    "tg_pair_panel_linear": _PAIR_LINEAR,
+    "tg_pair_panel_linear_avx512": _PAIR_LINEAR,
+    "tg_pair_panel_linear_amx": _PAIR_LINEAR,
+    "tg_pair_panel_linear_fast": _PAIR_LINEAR,
+    "tg_pair_panel_write_rows": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
+    "tg_cpu_has_avx512_bf16": [],
+    "tg_cpu_has_amx": [],
+    "tg_use_avx512_bf16": [_INT],
+    "tg_use_amx": [_INT],
+    "tg_paged_decode_bf16_avx512": [_PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _INT],
+    "tg_decode_glue": [_PTR, _PTR, _INT, _PTR, _PTR, _PTR],
+}
 
 
 def _build(compiler: str) -> Path:

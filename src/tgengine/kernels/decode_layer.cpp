@@ -22,9 +22,9 @@ int tg_add_rms_norm(int dtype, void* x, void* residual, const void* weight, int6
                     int64_t size, float eps, int unit_offset, void* out, int threads);
 int tg_panel_linear(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
                     int64_t n, const void* bias, void* out, int threads);
-int tg_pair_panel_linear_avx512(const void* x, int64_t m, int64_t k, const void* panels,
-                                int64_t n, const void* bias, void* out, int float_output,
-                                int threads);
+int tg_pair_panel_linear_fast(const void* x, int64_t m, int64_t k, const void* panels,
+                              int64_t n, const void* bias, void* out, int float_output,
+                              int threads);
 int tg_panel_linear_q8(int dtype, const void* x, int64_t m, int64_t k, const void* panels,
                        const void* scales, int64_t n, const void* bias, void* out, int threads,
                        int float_output);
@@ -99,7 +99,7 @@ int panel_product(const DecodeLayer* L, const DecodeStep* S, int dtype, const vo
                   int64_t m, int64_t k, const void* panels, const void* scales, int64_t n,
                   const void* bias, void* out, int threads) {
   Timed timed(S->spent_ns, 0);
-  if (L->pairs) return tg_pair_panel_linear_avx512(x, m, k, panels, n, bias, out, 0, threads);
+  if (L->pairs) return tg_pair_panel_linear_fast(x, m, k, panels, n, bias, out, 0, threads);
   if (scales) return tg_panel_linear_q8(dtype, x, m, k, panels, scales, n, bias, out, threads, 0);
   return tg_panel_linear(dtype, x, m, k, panels, n, bias, out, threads);
 }

@@ -54,6 +54,22 @@ void block(const uint16_t* x, int rows, int64_t k, const uint16_t* panels, int64
   }
 }
 
+// Rows row0 .. row0 + rows - 1, columns col .. col + cols - 1 of out ([m, n], bf16 or
+// float32) from a block's float32 sums, plus the bias: each output rounded once.
+inline void store_block(const float (*acc)[32], int rows, int64_t cols, const uint16_t* bias,
+                        int64_t col, int64_t row0, int64_t n, void* out, int float_output) {
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = acc[r][c] + (bias ? to_float(bias[col + c]) : 0.0f);
+      const int64_t at = (row0 + r) * n + col + c;
+      if (float_output)
+        static_cast<float*>(out)[at] = v;
+      else
+        from_float(v, static_cast<uint16_t*>(out) + at);
+    }
+  }
+}
+
 // out[m, n] = x[m, k] @ W.T (+ bias), W packed as pair panels; out bf16 or float32.
 // Threads split the columns: each reads its panels once per chunk of kChunk rows, from
 // memory for the first block of rows, from L1 for the others (a block of two panels of
@@ -85,16 +101,7 @@ int pair_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels,
         alignas(64) float acc[kRows][32] = {};
         const bool ahead = r0 <= c0 + kRows && cb + 1 < col_blocks;  // blocks 1 and 2
         block<Micro>(x + r0 * k, rows, k, ps, stride, np, acc, ahead ? ps + kPanels * stride : nullptr);
-        for (int r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < cols; ++c) {
-            const float v = acc[r][c] + (bias ? to_float(bias[col + c]) : 0.0f);
-            const int64_t at = (r0 + r) * n + col + c;
-            if (float_output)
-              static_cast<float*>(out)[at] = v;
-            else
-              from_float(v, static_cast<uint16_t*>(out) + at);
-          }
-        }
+        store_block(acc, rows, cols, bias, col, r0, n, out, float_output);
       }
     }
   }

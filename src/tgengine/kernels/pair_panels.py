@@ -3,13 +3,23 @@
 ``pack_pair_panels`` lays a ``[n, k]`` weight out as ``[ceil(n / 16), ceil(k / 2), 16, 2]``:
 16 output rows side by side, each row's weights in pairs of consecutive inputs, which is
 what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h``).
-``pair_panel_linear`` computes ``F.linear`` on it in one of two variants that share that
-layout and blocking (8 rows of ``x`` by 32 outputs, float32 sums, one rounding; threads split
-the outputs, 64 rows of ``x`` a pass over the weight): ``avx512_bf16``
-(``pair_panels_avx512.cpp``, built with ``-mavx512f -mavx512bf16`` on any machine, run only
-where the CPU has those flags) and ``portable`` (``pair_panels.cpp``, plain float math in the
-same order, everywhere: the same bits). ``Gemm`` packs bf16 weights this way where the
-AVX-512 BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
+``pair_panel_linear`` computes ``F.linear`` on it in one of three variants:
+
+- ``avx512_bf16`` (``pair_panels_avx512.cpp``, built with ``-mavx512f -mavx512bf16`` on any
+  machine, run only where the CPU has those flags) and ``portable`` (``pair_panels.cpp``,
+  plain float math in the same order, everywhere: the same bits) share one blocking: 8 rows
+  of ``x`` by 32 outputs, float32 sums, one rounding; threads split the outputs, 64 rows of
+  ``x`` a pass over the weight.
+- ``amx`` (``pair_panels_amx.cpp``, run where the CPU has AMX tiles for bf16 and Linux grants
+  them): a pair panel is what an AMX B tile loads, so tiles of 16 pairs come straight from
+  the panels, 32 rows of ``x`` by 2 panels a block. Its float32 sums are added in the tiles'
+  order, not ``vdpbf16ps``'s: close to the others, not the same bits. Off with
+  ``TGENGINE_AMX=0`` or ``set_amx(False)``.
+
+Called without a variant, it takes AMX from 4 rows of ``x`` where it is on, AVX-512 BF16
+otherwise (``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the
+portable twin where neither runs. ``Gemm`` packs bf16 weights this way where the AVX-512
+BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
 """
 
 from __future__ import annotations
@@ -23,8 +33,12 @@ from tgengine import kernels
 from tgengine.runtime import huge_pages
 
 PANEL = 16
-VARIANTS = ("avx512_bf16", "portable")
-_KERNELS = {"avx512_bf16": "tg_pair_panel_linear_avx512", "portable": "tg_pair_panel_linear"}
+VARIANTS = ("amx", "avx512_bf16", "portable")
+_KERNELS = {
+    "amx": "tg_pair_panel_linear_amx",
+    "avx512_bf16": "tg_pair_panel_linear_avx512",
+    "portable": "tg_pair_panel_linear",
+}
 
 
 def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -112,9 +126,24 @@ def pair_panel_variants() -> tuple[str, ...]:
     lib = kernels.load()
     if lib is None:
         return ()
-    if lib.tg_cpu_has_avx512_bf16() == 1:
-        return VARIANTS
-    return ("portable",)
+    if lib.tg_cpu_has_avx512_bf16() != 1:
+        return ("portable",)
+    return VARIANTS if lib.tg_cpu_has_amx() == 1 else VARIANTS[1:]
+
+
+def amx() -> bool:
+    """Whether products on pair panels take AMX tiles (from 4 rows of ``x``): on where the
+    CPU has them and Linux grants them, unless ``TGENGINE_AMX=0`` is in the environment or
+    ``set_amx(False)`` was called."""
+    lib = kernels.load()
+    return lib is not None and lib.tg_use_amx(-1) == 1
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX products on (only where they run) or off, process-wide, for comparisons
+    and tests; returns whether they run now."""
+    lib = kernels.load()
+    return lib is not None and lib.tg_use_amx(int(on)) == 1
 
 
 def pair_panel_linear(
@@ -128,11 +157,14 @@ def pair_panel_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``panels = pack_pair_panels(weight)`` of ``rows``
     output rows, for a 2-D bf16 ``x``; ``variant`` one of ``pair_panel_variants()`` (default:
-    the first). ``float_output``: the float32 sums plus bias, unrounded."""
+    the fastest for ``x``'s rows, as the module says). ``float_output``: the float32 sums plus
+    bias, unrounded."""
     have = pair_panel_variants()
-    variant = variant or (have[0] if have else "portable")
-    if variant not in have:
-        raise RuntimeError(f"pair_panel_linear: variant {variant!r} does not run here ({have})")
+    kernel = "tg_pair_panel_linear_fast" if "avx512_bf16" in have else _KERNELS["portable"]
+    if variant is not None:
+        if variant not in have:
+            raise RuntimeError(f"pair_panel_linear: {variant!r} does not run here ({have})")
+        kernel = _KERNELS[variant]
     if x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or x.dim() != 2:
         raise RuntimeError("pair_panel_linear: bf16 x [m, k] and bf16 pair panels")
     m, k = x.shape
@@ -145,7 +177,7 @@ def pair_panel_linear(
     out = torch.empty(m, rows, dtype=torch.float32 if float_output else torch.bfloat16)
     lib = kernels.load()
     assert lib is not None
-    status = getattr(lib, _KERNELS[variant])(
+    status = getattr(lib, kernel)(
         x.data_ptr(),
         m,
         k,
@@ -157,5 +189,5 @@ def pair_panel_linear(
         torch.get_num_threads(),
     )
     if status != 0:
-        raise RuntimeError(f"{_KERNELS[variant]} refused the shapes (status {status})")
+        raise RuntimeError(f"{kernel} refused the shapes (status {status})")
     return out

@@ -6,9 +6,10 @@ blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
 - **packed** (``Gemm.pack``, when ``prepack`` is on): the weight reordered once, and the
   parameters' own storage released (they keep their names, shapes and dtypes, over a
   one-element placeholder). bf16 on a CPU with AVX-512 BF16: into *pair panels*
-  (``kernels.pair_panels``, ``vdpbf16ps``; on par with oneDNN's packed products from 8 rows
-  up, 1.2-1.7x them below, and they give rows back, so a tied head packs too and the decode
-  runs in one call). Otherwise, where oneDNN packs this dtype on this CPU (float32
+  (``kernels.pair_panels``: ``vdpbf16ps``, and AMX tiles where the CPU has them; on par with
+  oneDNN's packed products from 8 rows up, 1.2-1.7x them below, on Zen 5; with AMX 1.1-2x
+  oneDNN's up to 32 rows and 0.65-0.9x it at 128-512 on a Sapphire Rapids class core; and
+  they give rows back, so a tied head packs too and the decode runs in one call). Otherwise, where oneDNN packs this dtype on this CPU (float32
   everywhere, bf16/fp16 with AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout;
   bf16/fp16 elsewhere (AVX2), into tgengine's 16-row ``Panels`` for ``kernels.panel_linear``,
   which widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
