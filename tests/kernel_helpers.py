@@ -1,4 +1,5 @@
-"""Switching the AVX-512 BF16 kernels for one test, and skipping where the CPU lacks them."""
+"""Switching the AVX-512 BF16 or AMX kernels for one test, and skipping where the CPU lacks
+them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from tgengine import kernels
 from tgengine.kernels.isa import isa
+from tgengine.kernels import pair_panels
 from tgengine.kernels.pair_panels import pair_panel_variants
 
 
@@ -28,3 +30,21 @@ def avx512_bf16(on: bool) -> Iterator[None]:
         yield
     finally:
         kernels.set_avx512_bf16(before)
+
+
+def require_amx() -> None:
+    if "amx" not in pair_panel_variants():
+        pytest.skip(f"the AMX kernels need a CPU with AMX tiles for bf16 (this one: {isa()})")
+
+
+@contextlib.contextmanager
+def amx(on: bool) -> Iterator[None]:
+    """The AMX kernels on (skips where the CPU has none) or off, then as before."""
+    if on:
+        require_amx()
+    before = pair_panels.amx()
+    pair_panels.set_amx(on)
+    try:
+        yield
+    finally:
+        pair_panels.set_amx(before)

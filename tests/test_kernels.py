@@ -12,7 +12,7 @@ from tgengine import kernels
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
-from kernel_helpers import avx512_bf16, require_avx512_bf16
+from kernel_helpers import amx, avx512_bf16, require_avx512_bf16
 
 pytestmark = pytest.mark.skipif(
     not kernels.supports(torch.device("cpu"), torch.float32, 64, 1),
@@ -168,7 +168,11 @@ def _prefill_inputs(
 
 
 @pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")
-@pytest.mark.parametrize(("dtype", "tol"), DTYPES[1:])
+@pytest.mark.parametrize(
+    ("dtype", "tol", "tiles"),  # AMX tiles: bf16 only
+    [(*DTYPES[1], False), (*DTYPES[2], False), (*DTYPES[1], True)],
+    ids=["bf16", "fp16", "bf16-amx"],
+)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 80), (8, 1, 256)],
@@ -181,7 +185,20 @@ def test_prefill_kernel_matches_the_torch_path(
     num_kv_heads: int,
     head_dim: int,
     window: int | None,
+    tiles: bool,
 ) -> None:
+    with amx(tiles):
+        _check_prefill_kernel(dtype, tol, num_heads, num_kv_heads, head_dim, window)
+
+
+def _check_prefill_kernel(
+    dtype: torch.dtype,
+    tol: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+) -> torch.Tensor:
     torch.manual_seed(0)
     block_size, num_blocks = 4, 256
     # Fresh prompts (one token, within one key tile, across tiles and work items), spans after
@@ -202,6 +219,16 @@ def test_prefill_kernel_matches_the_torch_path(
     got = paged_attention(q, k, v, blocks, fast, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    return got
+
+
+def test_the_amx_prefill_kernel_runs_where_it_is_on() -> None:
+    args = (torch.bfloat16, 2e-2, 9, 3, 64, None)
+    with amx(True):
+        tiles = _check_prefill_kernel(*args)
+    with amx(False):
+        fmas = _check_prefill_kernel(*args)
+    assert not torch.equal(tiles, fmas), "the tiles' sums are in another order"
 
 
 @pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")

@@ -42,6 +42,7 @@ _SOURCES = tuple(
     for n in (
         "paged_attention.cpp",
         "prefill_attention.cpp",
+        "prefill_attention_amx.cpp",
         "half_linear.cpp",
         "elementwise.cpp",
         "elementwise_avx512.cpp",
@@ -56,17 +57,19 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).with_name(n)
-    for n in ("simd.h", "simd512.h", "pair_panels.h", "paged_decode_items.h")
+    for n in ("simd.h", "simd512.h", "amx.h", "pair_panels.h", "paged_decode_items.h")
 )
 # Flags of some sources beyond _FLAGS. The AVX-512 ones are built for an ISA beyond the
 # machine's own (-march=native): their code runs only where the CPU has it (each says how it
 # is guarded), so one build serves every variant. The portable pair-panel twin keeps its sums
 # in the order it writes them (the order vdpbf16ps adds in), which -fassociative-math would not.
 _AVX512_BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_AMX_FLAGS = [*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16"]
 _SOURCE_FLAGS = {
     "pair_panels.cpp": ["-fno-associative-math"],
     "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
-    "pair_panels_amx.cpp": [*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16"],
+    "pair_panels_amx.cpp": _AMX_FLAGS,
+    "prefill_attention_amx.cpp": _AMX_FLAGS,
     "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
     "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],  # simd.h's AVX2 tails
 }

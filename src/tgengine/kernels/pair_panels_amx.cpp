@@ -7,6 +7,7 @@
 // CPU; run only where tg_cpu_has_amx() says the CPU has AMX and Linux lets this process use
 // it (kernels.pair_panel_variants). tg_pair_panel_linear_fast takes this variant from
 // kAmxMinRows rows of x where it is on, and the AVX-512 BF16 one below that.
+#include "amx.h"
 #include "pair_panels.h"
 
 #include <atomic>
@@ -78,18 +79,7 @@ class Tiles {
   void configure(int rows0, int rows1) {
     const int key = rows0 * 64 + rows1;
     if (key == key_) return;
-    struct alignas(64) {
-      uint8_t palette, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } cfg{};
-    cfg.palette = 1;
-    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows};
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-      cfg.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&cfg);
+    tg::configure_tiles({rows0, rows0, rows1, rows1, rows0, rows1, kTileRows, kTileRows});
     key_ = key;
   }
 
