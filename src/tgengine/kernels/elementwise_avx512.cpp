@@ -27,8 +27,7 @@ using tg::to_float;
 constexpr int64_t kParallelMin = 1 << 15;  // elementwise.cpp's: below it one thread is quicker
 
 inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return tg::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // v rounded to bfloat16 (nearest even; NaN a quiet NaN), as float32 bits: tg::round8's.
@@ -45,8 +44,7 @@ inline __m512i rounded_bits(__m512 v) {
 inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(rounded_bits(v)); }
 
 inline void store16(uint16_t* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(v), 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), tg::bf16_bits16(v));
 }
 
 // ---- residual add + RMSNorm (elementwise.cpp's add_rms_norm_row) -------------------------

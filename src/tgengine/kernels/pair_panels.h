@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "simd.h"
+#include "simd512.h"
 
 namespace tg_pairs {
 
@@ -58,6 +59,27 @@ void block(const uint16_t* x, int rows, int64_t k, const uint16_t* panels, int64
 // float32) from a block's float32 sums, plus the bias: each output rounded once.
 inline void store_block(const float (*acc)[32], int rows, int64_t cols, const uint16_t* bias,
                         int64_t col, int64_t row0, int64_t n, void* out, int float_output) {
+#if defined(__AVX512F__)
+  if (cols == 32) {  // a whole block, 16 at a time: the same sums and roundings
+    const auto part = [&](int h) {
+      if (!bias) return _mm512_setzero_ps();
+      return tg::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col + 16 * h)));
+    };
+    const __m512 b[2] = {part(0), part(1)};
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = (row0 + r) * n + col;
+      for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc[r] + 16 * h), b[h]);
+        if (float_output)
+          _mm512_storeu_ps(static_cast<float*>(out) + at + 16 * h, v);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + at + 16 * h),
+                              tg::bf16_bits16(v));
+      }
+    }
+    return;
+  }
+#endif
   for (int r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const float v = acc[r][c] + (bias ? to_float(bias[col + c]) : 0.0f);

@@ -27,6 +27,22 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
 }
 
+// 16 bf16 as 16 float32 (exact).
+inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 float32 as 16 bf16, rounded to nearest even with NaN a quiet NaN: tg::from_float's bits.
+inline __m256i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_srli_epi32(rounded, 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
 }  // namespace tg
 
 #endif
