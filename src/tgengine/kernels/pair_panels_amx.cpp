@@ -10,9 +10,12 @@
 #include "amx.h"
 #include "pair_panels.h"
 
+#include <omp.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -66,7 +69,7 @@ namespace {
 constexpr int kTileRows = 16;        // rows of x an A tile holds
 constexpr int64_t kTileK = 32;       // inputs a tile step covers: 16 pairs, 64 bytes a row
 constexpr int64_t kBlockRows = 32;   // two A tiles
-constexpr int64_t kAmxChunk = 256;   // rows of x a pass over the panels serves (x in L2)
+constexpr int64_t kPanelBytes = 1536 << 10;  // panels a pass of every row of x goes over (L2)
 
 // This thread's tiles, configured for a block of rows0 + rows1 rows of x (rows1 may be 0),
 // released (back to the init state) when it goes. Tiles 0-3: the sums of A tile a and panel
@@ -87,9 +90,10 @@ class Tiles {
   int key_ = -1;
 };
 
-// acc[r][16 p + lane] = the sums of rows 0 .. rows0 + rows1 - 1 of x with panels p < NP.
+// acc[r][16 p + lane] = the sums of rows 0 .. rows0 + rows1 - 1 of x with panels p < NP;
+// xa holds the rows' whole tile steps as pack_rows lays them out.
 template <bool Two, int NP>
-void amx_block(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
+void amx_block(const uint16_t* xa, int64_t steps, const uint16_t* panels, int64_t stride,
                float (*acc)[32]) {
   _tile_zero(0);
   if (NP == 2) _tile_zero(1);
@@ -97,20 +101,31 @@ void amx_block(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t str
     _tile_zero(2);
     if (NP == 2) _tile_zero(3);
   }
-  const int64_t steps = k / kTileK, x_stride = k * 2;
+  // Each tile is loaded for the next step right after its last use in this one, so that
+  // the loads run while the remaining products do (tiles are not renamed: a load into a
+  // tile waits for the products reading it).
+  const auto a_tile = [&](int64_t s, int half) { return xa + (s * kBlockRows + half * kTileRows) * kTileK; };
+  const auto b_tile = [&](int64_t s, int p) { return panels + p * stride + s * kTileK * tg_pairs::kPanel; };
+  if (steps > 0) {
+    _tile_loadd(4, a_tile(0, 0), 64);
+    _tile_loadd(6, b_tile(0, 0), 64);
+    if (NP == 2) _tile_loadd(7, b_tile(0, 1), 64);
+    if (Two) _tile_loadd(5, a_tile(0, 1), 64);
+  }
   for (int64_t s = 0; s < steps; ++s) {
-    const uint16_t* a = x + s * kTileK;
-    const uint16_t* b = panels + s * kTileK * tg_pairs::kPanel;  // 16 pairs of 32 values
-    _tile_loadd(4, a, x_stride);
-    _tile_loadd(6, b, 64);
-    if (NP == 2) _tile_loadd(7, b + stride, 64);
+    const bool more = s + 1 < steps;
     _tile_dpbf16ps(0, 4, 6);
     if (NP == 2) _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, a_tile(s + 1, 0), 64);
     if (Two) {
-      _tile_loadd(5, a + kTileRows * k, x_stride);
       _tile_dpbf16ps(2, 5, 6);
+      if (more) _tile_loadd(6, b_tile(s + 1, 0), 64);
       if (NP == 2) _tile_dpbf16ps(3, 5, 7);
+      if (more) _tile_loadd(5, a_tile(s + 1, 1), 64);
+    } else if (more) {
+      _tile_loadd(6, b_tile(s + 1, 0), 64);
     }
+    if (NP == 2 && more) _tile_loadd(7, b_tile(s + 1, 1), 64);
   }
   constexpr int64_t acc_stride = 32 * sizeof(float);
   _tile_stored(0, acc[0], acc_stride);
@@ -119,6 +134,14 @@ void amx_block(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t str
     _tile_stored(2, acc[kTileRows], acc_stride);
     if (NP == 2) _tile_stored(3, acc[kTileRows] + tg_pairs::kPanel, acc_stride);
   }
+}
+
+// Rows of x (at most 32) as their A tiles read them, one after another: [step][row][32],
+// so that a tile loads 1 KiB in one piece.
+void pack_rows(const uint16_t* x, int rows, int64_t k, uint16_t* xa) {
+  for (int64_t s = 0; s < k / kTileK; ++s)
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(xa + (s * kBlockRows + r) * kTileK, x + r * k + s * kTileK, kTileK * 2);
 }
 
 // The pairs past the tiles' last step, added to acc with vdpbf16ps.
@@ -139,40 +162,56 @@ void add_tail(const uint16_t* x, int rows, int64_t k, const uint16_t* panels, in
   }
 }
 
+// One block of 32 rows of x (xa: pack_rows') by column block cb (2 panels), stored into out.
+void amx_column_block(const uint16_t* x, const uint16_t* xa, int64_t r0, int rows, int64_t k,
+                      const uint16_t* panels, int64_t stride, int64_t num_panels, int64_t cb,
+                      int64_t n, const uint16_t* bias, void* out, int float_output, Tiles& tiles) {
+  const int64_t p0 = cb * 2, steps = k / kTileK;
+  const int np = static_cast<int>(std::min<int64_t>(2, num_panels - p0));
+  const uint16_t* ps = panels + p0 * stride;
+  const int64_t col = p0 * tg_pairs::kPanel;
+  const int64_t cols = std::min<int64_t>(np * tg_pairs::kPanel, n - col);
+  const int rows0 = std::min(rows, kTileRows), rows1 = rows - rows0;
+  alignas(64) float acc[kBlockRows][32];
+  tiles.configure(rows0, rows1);
+  if (rows1 && np == 2)
+    amx_block<true, 2>(xa, steps, ps, stride, acc);
+  else if (rows1)
+    amx_block<true, 1>(xa, steps, ps, stride, acc);
+  else if (np == 2)
+    amx_block<false, 2>(xa, steps, ps, stride, acc);
+  else
+    amx_block<false, 1>(xa, steps, ps, stride, acc);
+  add_tail(x + r0 * k, rows, k, ps, stride, np, acc);
+  tg_pairs::store_block(acc, rows, cols, bias, col, r0, n, out, float_output);
+}
+
+// Each thread takes a contiguous share of the column blocks, and goes through it a part of
+// about kPanelBytes at a time: every block of 32 rows of x against that part, whose panels
+// the first block brings from memory and the others find in L2 (a block of x is reused
+// from L1 across the part's column blocks). A decode step's few rows make one block: each
+// panel is read once, in order.
 int amx_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n,
                const uint16_t* bias, void* out, int float_output, int threads) {
   if (m < 0 || k < 1 || n < 1) return 2;
   const int64_t stride = tg_pairs::panel_stride(k);
   const int64_t num_panels = (n + tg_pairs::kPanel - 1) / tg_pairs::kPanel;
   const int64_t col_blocks = (num_panels + 1) / 2;
+  const int64_t part = std::max<int64_t>(1, kPanelBytes / (2 * stride * 2));  // column blocks
 #pragma omp parallel num_threads(threads)
   {
     Tiles tiles;
-    for (int64_t c0 = 0; c0 < m; c0 += kAmxChunk) {
-      const int64_t chunk_end = std::min<int64_t>(m, c0 + kAmxChunk);
-#pragma omp for schedule(static)
-      for (int64_t cb = 0; cb < col_blocks; ++cb) {
-        const int64_t p0 = cb * 2;
-        const int np = static_cast<int>(std::min<int64_t>(2, num_panels - p0));
-        const uint16_t* ps = panels + p0 * stride;
-        const int64_t col = p0 * tg_pairs::kPanel;
-        const int64_t cols = std::min<int64_t>(np * tg_pairs::kPanel, n - col);
-        for (int64_t r0 = c0; r0 < chunk_end; r0 += kBlockRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, chunk_end - r0));
-          const int rows0 = std::min(rows, kTileRows), rows1 = rows - rows0;
-          alignas(64) float acc[kBlockRows][32];
-          tiles.configure(rows0, rows1);
-          if (rows1 && np == 2)
-            amx_block<true, 2>(x + r0 * k, k, ps, stride, acc);
-          else if (rows1)
-            amx_block<true, 1>(x + r0 * k, k, ps, stride, acc);
-          else if (np == 2)
-            amx_block<false, 2>(x + r0 * k, k, ps, stride, acc);
-          else
-            amx_block<false, 1>(x + r0 * k, k, ps, stride, acc);
-          add_tail(x + r0 * k, rows, k, ps, stride, np, acc);
-          tg_pairs::store_block(acc, rows, cols, bias, col, r0, n, out, float_output);
-        }
+    std::unique_ptr<uint16_t[]> xa(new uint16_t[k / kTileK * kBlockRows * kTileK + 1]);
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t first = col_blocks * me / team, last = col_blocks * (me + 1) / team;
+    for (int64_t c0 = first; c0 < last; c0 += part) {
+      const int64_t c1 = std::min(last, c0 + part);
+      for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, m - r0));
+        pack_rows(x + r0 * k, rows, k, xa.get());
+        for (int64_t cb = c0; cb < c1; ++cb)
+          amx_column_block(x, xa.get(), r0, rows, k, panels, stride, num_panels, cb, n, bias,
+                           out, float_output, tiles);
       }
     }
   }
