@@ -69,7 +69,7 @@ namespace {
 constexpr int kTileRows = 16;        // rows of x an A tile holds
 constexpr int64_t kTileK = 32;       // inputs a tile step covers: 16 pairs, 64 bytes a row
 constexpr int64_t kBlockRows = 32;   // two A tiles
-constexpr int64_t kPanelBytes = 1536 << 10;  // panels a pass of every row of x goes over (L2)
+constexpr int64_t kPanelBytes = 768 << 10;  // panels a pass of every row of x goes over (L2: 2 MiB)
 
 // This thread's tiles, configured for a block of rows0 + rows1 rows of x (rows1 may be 0),
 // released (back to the init state) when it goes. Tiles 0-3: the sums of A tile a and panel
