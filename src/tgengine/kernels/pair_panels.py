@@ -16,8 +16,7 @@ what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h`
   order, not ``vdpbf16ps``'s: close to the others, not the same bits. Off with
   ``TGENGINE_AMX=0`` or ``set_amx(False)``.
 
-Called without a variant, it takes AMX from 4 rows of ``x`` where it is on, AVX-512 BF16
-otherwise (``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the
+Called without a variant, it takes AMX where it is on, AVX-512 BF16 otherwise (``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the
 portable twin where neither runs. ``Gemm`` packs bf16 weights this way where the AVX-512
 BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
 """
@@ -132,7 +131,7 @@ def pair_panel_variants() -> tuple[str, ...]:
 
 
 def amx() -> bool:
-    """Whether products on pair panels take AMX tiles (from 4 rows of ``x``): on where the
+    """Whether products on pair panels take AMX tiles: on where the
     CPU has them and Linux grants them, unless ``TGENGINE_AMX=0`` is in the environment or
     ``set_amx(False)`` was called."""
     lib = kernels.load()
