@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from tgengine import kernels
-from tgengine.kernels.isa import isa
 from tgengine.kernels import pair_panels
+from tgengine.kernels.isa import isa
 from tgengine.kernels.pair_panels import pair_panel_variants
 
 

@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -123,7 +124,7 @@ def load() -> ctypes.CDLL | None:
 _INT, _F32 = ctypes.c_int, ctypes.c_float
 _PAIR_LINEAR = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT]
 _HALF_LINEAR = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT]
-_SIGNATURES: dict[str, list[type]] = {  # every function returns an int status or answer
+_SIGNATURES: dict[str, Sequence[type]] = {  # every function returns an int status or answer
     "tg_paged_decode": [_INT, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8, _F32, _INT],
     "tg_paged_prefill": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 9, _F32, _INT],
     "tg_half_linear": _HALF_LINEAR,

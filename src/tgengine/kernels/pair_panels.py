@@ -16,8 +16,9 @@ what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h`
   order, not ``vdpbf16ps``'s: close to the others, not the same bits. Off with
   ``TGENGINE_AMX=0`` or ``set_amx(False)``.
 
-Called without a variant, it takes AMX where it is on, AVX-512 BF16 otherwise (``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the
-portable twin where neither runs. ``Gemm`` packs bf16 weights this way where the AVX-512
+Called without a variant, it takes AMX where it is on, AVX-512 BF16 otherwise
+(``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the portable twin
+where neither runs. ``Gemm`` packs bf16 weights this way where the AVX-512
 BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
 """
 
@@ -131,15 +132,16 @@ def pair_panel_variants() -> tuple[str, ...]:
 
 
 def amx() -> bool:
-    """Whether products on pair panels take AMX tiles: on where the
-    CPU has them and Linux grants them, unless ``TGENGINE_AMX=0`` is in the environment or
+    """Whether the AMX kernels run: products on pair panels, and the prefill attention of a
+    bf16 cache (``prefill_attention_amx.cpp``). On where the CPU has AMX tiles for bf16 and
+    Linux grants them, unless ``TGENGINE_AMX=0`` is in the environment or
     ``set_amx(False)`` was called."""
     lib = kernels.load()
     return lib is not None and lib.tg_use_amx(-1) == 1
 
 
 def set_amx(on: bool) -> bool:
-    """Turn the AMX products on (only where they run) or off, process-wide, for comparisons
+    """Turn the AMX kernels on (only where they run) or off, process-wide, for comparisons
     and tests; returns whether they run now."""
     lib = kernels.load()
     return lib is not None and lib.tg_use_amx(int(on)) == 1
@@ -156,7 +158,7 @@ def pair_panel_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``panels = pack_pair_panels(weight)`` of ``rows``
     output rows, for a 2-D bf16 ``x``; ``variant`` one of ``pair_panel_variants()`` (default:
-    the fastest for ``x``'s rows, as the module says). ``float_output``: the float32 sums plus
+    the fastest here, as the module says). ``float_output``: the float32 sums plus
     bias, unrounded."""
     have = pair_panel_variants()
     kernel = "tg_pair_panel_linear_fast" if "avx512_bf16" in have else _KERNELS["portable"]

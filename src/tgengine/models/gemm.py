@@ -9,8 +9,9 @@ blocks of one buffer (q/k/v, gate/up). It is held in exactly one form at a time:
   (``kernels.pair_panels``: ``vdpbf16ps``, and AMX tiles where the CPU has them; on par with
   oneDNN's packed products from 8 rows up, 1.2-1.7x them below, on Zen 5; with AMX 1.1-2x
   oneDNN's up to 32 rows and 0.65-0.9x it at 128-512 on a Sapphire Rapids class core; and
-  they give rows back, so a tied head packs too and the decode runs in one call). Otherwise, where oneDNN packs this dtype on this CPU (float32
-  everywhere, bf16/fp16 with AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout;
+  they give rows back, so a tied head packs too and the decode runs in one call).
+  Otherwise, where oneDNN packs this dtype on this CPU (float32 everywhere, bf16/fp16 with
+  AVX-512 or AVX-NE-CONVERT), into oneDNN's blocked layout;
   bf16/fp16 elsewhere (AVX2), into tgengine's 16-row ``Panels`` for ``kernels.panel_linear``,
   which widens them in registers (60-80 GFLOP/s on one AVX2 core, 1.2-4x the widening path
   below). Every row count runs on it. ``Gemm.unpack`` gives the plain form back, exactly
