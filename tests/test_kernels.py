@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tgengine import kernels
+from tgengine.kernels.pair_panels import pair_panel_variants
 from tgengine.models.attention import AttentionPlan, KernelDecodePlan, paged_attention, write_kv
 from tgengine.models.inputs import ForwardInputs, PrefillSpan
 
@@ -250,6 +253,23 @@ def test_kernel_is_built_once_and_cached() -> None:
     assert library is not None
     assert library._name in {str(p) for p in kernels.cache_dir().glob("tgengine-kernels-*.so")}
     assert kernels.load() is library
+
+
+def test_a_compiler_without_amx_builds_the_amx_sources_without_their_flags(
+    tmp_path: Path,
+) -> None:
+    real = shutil.which("g++")
+    if real is None:
+        pytest.skip("no g++")
+    old = tmp_path / "g++"  # a compiler that refuses -mamx-*, as GCC < 11 does
+    refuse = 'for a in "$@"; do case "$a" in -mamx*) exit 1;; esac; done'
+    old.write_text(f'#!/bin/sh\n{refuse}\nexec {real} "$@"\n')
+    old.chmod(0o755)
+    flags = kernels._source_flags(str(old))
+    assert not [f for fl in flags.values() for f in fl if f.startswith("-mamx")]
+    assert "-mavx512bf16" in flags["pair_panels_amx.cpp"], "only the AMX flags go"
+    if "amx" in pair_panel_variants():  # this build had them, so g++ takes them
+        assert kernels._source_flags(real) == kernels._SOURCE_FLAGS
 
 
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

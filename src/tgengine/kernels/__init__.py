@@ -151,12 +151,22 @@ _SIGNATURES: dict[str, Sequence[type]] = {  # every function returns an int stat
 }
 
 
+def _source_flags(compiler: str) -> dict[str, list[str]]:
+    """``_SOURCE_FLAGS`` without the AMX flags where the compiler lacks them (GCC < 11): those
+    sources then build their stubs, and ``tg_cpu_has_amx`` answers 0."""
+    probe = [compiler, *_AMX_FLAGS, "-x", "c++", "-c", "-o", os.devnull, "-"]
+    if subprocess.run(probe, input=b"", capture_output=True, timeout=60).returncode == 0:
+        return _SOURCE_FLAGS
+    return {n: [f for f in fl if not f.startswith("-mamx")] for n, fl in _SOURCE_FLAGS.items()}
+
+
 def _build(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
-    key.update(repr(sorted(_SOURCE_FLAGS.items())).encode())
+    source_flags = _source_flags(compiler)
+    key.update(repr(sorted(source_flags.items())).encode())
     key.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
@@ -167,21 +177,13 @@ def _build(compiler: str) -> Path:
         built = Path(tmp) / library.name
         # One compiler per source, side by side (the cores are free at start-up), then a link.
         objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
+        commands = [
+            [compiler, *_FLAGS, *source_flags.get(src.name, []), "-c", "-o", str(obj), str(src)]
+            for src, obj in zip(_SOURCES, objects, strict=True)
+        ]
         compiles = [
-            subprocess.Popen(
-                [
-                    compiler,
-                    *_FLAGS,
-                    *_SOURCE_FLAGS.get(source.name, []),
-                    "-c",
-                    "-o",
-                    str(obj),
-                    str(source),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            for source, obj in zip(_SOURCES, objects, strict=True)
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for cmd in commands
         ]
         try:
             errors = [proc.communicate(timeout=300)[1] for proc in compiles]

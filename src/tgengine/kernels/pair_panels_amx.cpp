@@ -30,7 +30,7 @@ extern "C" int tg_pair_panel_linear_avx512(const void* x, int64_t m, int64_t k,
 // Whether the CPU has AMX tiles for bf16 (and AVX-512 BF16, which the tails use) and Linux
 // grants this process the tiles' state (ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once).
 extern "C" int tg_cpu_has_amx() {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)  // else: no AMX build
   static const int has = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
