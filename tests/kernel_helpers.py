@@ -4,7 +4,7 @@ them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -19,32 +19,30 @@ def require_avx512_bf16() -> None:
         pytest.skip(f"the AVX-512 BF16 kernels need a CPU with avx512_bf16 (this one: {isa()})")
 
 
-@contextlib.contextmanager
-def avx512_bf16(on: bool) -> Iterator[None]:
-    """The AVX-512 BF16 kernels on (skips where the CPU has none) or off, then as before."""
-    if on:
-        require_avx512_bf16()
-    before = kernels.avx512_bf16()
-    kernels.set_avx512_bf16(on)
-    try:
-        yield
-    finally:
-        kernels.set_avx512_bf16(before)
-
-
 def require_amx() -> None:
     if "amx" not in pair_panel_variants():
         pytest.skip(f"the AMX kernels need a CPU with AMX tiles for bf16 (this one: {isa()})")
 
 
 @contextlib.contextmanager
-def amx(on: bool) -> Iterator[None]:
-    """The AMX kernels on (skips where the CPU has none) or off, then as before."""
+def _switched(
+    on: bool, require: Callable[[], None], get: Callable[[], bool], put: Callable[[bool], bool]
+) -> Iterator[None]:
     if on:
-        require_amx()
-    before = pair_panels.amx()
-    pair_panels.set_amx(on)
+        require()
+    before = get()
+    put(on)
     try:
         yield
     finally:
-        pair_panels.set_amx(before)
+        put(before)
+
+
+def avx512_bf16(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The AVX-512 BF16 kernels on (skips where the CPU has none) or off, then as before."""
+    return _switched(on, require_avx512_bf16, kernels.avx512_bf16, kernels.set_avx512_bf16)
+
+
+def amx(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The AMX kernels on (skips where the CPU has none) or off, then as before."""
+    return _switched(on, require_amx, pair_panels.amx, pair_panels.set_amx)
