@@ -4,8 +4,6 @@
 #include "pair_panels.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 namespace {
 
@@ -63,11 +61,5 @@ extern "C" int tg_cpu_has_avx512_bf16() {
 // comparisons and tests. Starts on where the CPU has them, unless TGENGINE_AVX512_BF16=0.
 extern "C" int tg_use_avx512_bf16(int on) {
   static std::atomic<int> use{-1};
-  if (on >= 0) {
-    use = on && tg_cpu_has_avx512_bf16();
-  } else if (use.load() < 0) {
-    const char* env = std::getenv("TGENGINE_AVX512_BF16");
-    use = tg_cpu_has_avx512_bf16() && !(env && std::strcmp(env, "0") == 0);
-  }
-  return use.load();
+  return tg_pairs::use_switch(use, on, tg_cpu_has_avx512_bf16() == 1, "TGENGINE_AVX512_BF16");
 }

@@ -13,7 +13,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "simd.h"
@@ -30,6 +32,19 @@ constexpr int kPanels = 2;      // panels per block (32 outputs: 2 x 16 float32 
 constexpr int64_t kChunk = 64;  // rows of x a pass over the weight serves (x stays in L2)
 
 inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * 2 * kPanel; }
+
+// A process-wide switch of kernels the CPU may lack (tg_use_avx512_bf16, tg_use_amx): on = -1
+// asks, 0 or 1 sets it (1 only where has); it starts on where has, unless the environment
+// variable env is "0".
+inline int use_switch(std::atomic<int>& use, int on, bool has, const char* env) {
+  if (on >= 0) {
+    use = on && has;
+  } else if (use.load() < 0) {
+    const char* value = std::getenv(env);
+    use = has && !(value && std::strcmp(value, "0") == 0);
+  }
+  return use.load();
+}
 
 template <class Micro, int R>
 void block_rows(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride, int np,

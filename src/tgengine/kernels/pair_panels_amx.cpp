@@ -12,8 +12,6 @@
 
 #include <omp.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -52,13 +50,7 @@ extern "C" int tg_cpu_has_amx() {
 // unless TGENGINE_AMX=0 is in the environment.
 extern "C" int tg_use_amx(int on) {
   static std::atomic<int> use{-1};
-  if (on >= 0) {
-    use = on && tg_cpu_has_amx();
-  } else if (use.load() < 0) {
-    const char* env = std::getenv("TGENGINE_AMX");
-    use = tg_cpu_has_amx() && !(env && std::strcmp(env, "0") == 0);
-  }
-  return use.load();
+  return tg_pairs::use_switch(use, on, tg_cpu_has_amx() == 1, "TGENGINE_AMX");
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
