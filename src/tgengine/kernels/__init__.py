@@ -165,8 +165,7 @@ def _build(compiler: str) -> Path:
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(" ".join([compiler, *_FLAGS]).encode())
-    source_flags = _source_flags(compiler)
-    key.update(repr(sorted(source_flags.items())).encode())
+    key.update(repr(sorted(_SOURCE_FLAGS.items())).encode())
     key.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     library = cache_dir() / f"tgengine-kernels-{key.hexdigest()[:16]}.so"
     if library.is_file():
@@ -177,6 +176,7 @@ def _build(compiler: str) -> Path:
         built = Path(tmp) / library.name
         # One compiler per source, side by side (the cores are free at start-up), then a link.
         objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
+        source_flags = _source_flags(compiler)  # probed only here: a warm start just loads
         commands = [
             [compiler, *_FLAGS, *source_flags.get(src.name, []), "-c", "-o", str(obj), str(src)]
             for src, obj in zip(_SOURCES, objects, strict=True)
