@@ -133,11 +133,12 @@ def test_a_product_matches_torch(variant: str, m: int, n: int, k: int, with_bias
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_threads_do_not_change_the_bits(variant: str, threads: int) -> None:
+@pytest.mark.parametrize("m", [1, 2, 23])  # 1 and 2 rows take 4 panels a block
+def test_threads_do_not_change_the_bits(variant: str, threads: int, m: int) -> None:
     name = _variant(variant)
     torch.manual_seed(threads)
     weight = torch.randn(300, 96).to(torch.bfloat16)
-    x = torch.randn(23, 96).to(torch.bfloat16)
+    x = torch.randn(m, 96).to(torch.bfloat16)
     panels = pack_pair_panels(weight)
     before = torch.get_num_threads()
     try:
@@ -149,17 +150,36 @@ def test_threads_do_not_change_the_bits(variant: str, threads: int) -> None:
         torch.set_num_threads(before)
 
 
-def test_avx512_bf16_agrees_with_its_portable_twin() -> None:
+@pytest.mark.parametrize(("m", "n"), [(1, 1000), (2, 1536), (32, 1536)])
+def test_avx512_bf16_agrees_with_its_portable_twin(m: int, n: int) -> None:
     name = _variant("avx512_bf16")
     torch.manual_seed(0)
-    weight = torch.randn(1536, 576).to(torch.bfloat16)
-    x = torch.randn(32, 576).to(torch.bfloat16)
+    weight = torch.randn(n, 576).to(torch.bfloat16)
+    x = torch.randn(m, 576).to(torch.bfloat16)
     panels = pack_pair_panels(weight)
-    fast = pair_panel_linear(x, panels, 1536, float_output=True, variant=name)
-    twin = pair_panel_linear(x, panels, 1536, float_output=True, variant="portable")
+    fast = pair_panel_linear(x, panels, n, float_output=True, variant=name)
+    twin = pair_panel_linear(x, panels, n, float_output=True, variant="portable")
     # The same sums in the same order, so the same bits (vdpbf16ps flushes denormals, which
     # these have none of).
     assert torch.equal(fast, twin)
+
+
+@pytest.mark.parametrize("variant", ["avx512_bf16", "portable"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_one_or_two_rows_get_the_bits_they_get_in_a_larger_batch(variant: str, m: int) -> None:
+    # One or two rows take blocks of 4 panels, more rows blocks of 2: each output's sum keeps
+    # its order either way, so a sequence decoded alone gets the bits it gets in a batch.
+    name = _variant(variant)
+    torch.manual_seed(m)
+    weight = torch.randn(1000, 131).to(torch.bfloat16)  # 62.5 panels: a narrow last block
+    x = torch.randn(9, 131).to(torch.bfloat16)
+    bias = torch.randn(1000).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    batch = pair_panel_linear(x, panels, 1000, bias, float_output=True, variant=name)
+    alone = pair_panel_linear(x[:m], panels, 1000, bias, float_output=True, variant=name)
+    assert torch.equal(alone, batch[:m])
+    rounded = pair_panel_linear(x[:m], panels, 1000, bias, variant=name)
+    assert torch.equal(rounded, batch[:m].to(torch.bfloat16))
 
 
 def test_a_variant_that_does_not_run_here_is_refused() -> None:

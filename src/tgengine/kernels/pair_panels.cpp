@@ -12,7 +12,7 @@ using tg::to_float;
 struct Portable {
   template <int R, int NP>
   static void run(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
-                  float (*acc)[32], const uint16_t* /*ahead: no prefetching here*/) {
+                  float (*acc)[tg_pairs::kAccCols], const uint16_t* /*ahead: no prefetching here*/) {
     const int64_t pairs = (k + 1) / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       for (int r = 0; r < R; ++r) {

@@ -12,7 +12,7 @@ namespace {
 struct Avx512Bf16 {
   template <int R, int NP>
   static void run(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
-                  float (*acc)[32], const uint16_t* ahead) {
+                  float (*acc)[tg_pairs::kAccCols], const uint16_t* ahead) {
     __m512 sums[R][NP];
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < NP; ++p) sums[r][p] = _mm512_setzero_ps();
