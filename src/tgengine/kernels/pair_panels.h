@@ -152,8 +152,11 @@ int pair_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels,
         const int64_t col = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, n - col);
         alignas(64) float acc[kWideRows][kAccCols] = {};
         const bool ahead = p0 + kWidePanels < last;
-        block<Micro>(x, static_cast<int>(m), k, ps, stride, np, acc,
-                     ahead ? ps + kWidePanels * stride : nullptr);
+        const uint16_t* next = ahead ? ps + kWidePanels * stride : nullptr;
+        if (m == 1)
+          block_rows<Micro, 1>(x, k, ps, stride, np, acc, next);
+        else
+          block_rows<Micro, 2>(x, k, ps, stride, np, acc, next);
         store_block(acc, static_cast<int>(m), cols, bias, col, 0, n, out, float_output);
       }
     }
