@@ -30,18 +30,8 @@ inline __m512 load16(const uint16_t* p) {
   return tg::widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// v rounded to bfloat16 (nearest even; NaN a quiet NaN), as float32 bits: tg::round8's.
-inline __m512i rounded_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-      _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                               _mm512_set1_epi32(0x7fc00000));
-}
-
-inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(rounded_bits(v)); }
+// v rounded to bfloat16, kept as float32: tg::round8's.
+inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(tg::round_bits16(v)); }
 
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), tg::bf16_bits16(v));

@@ -32,15 +32,21 @@ inline __m512 widen16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 float32 as 16 bf16, rounded to nearest even with NaN a quiet NaN: tg::from_float's bits.
-inline __m256i bf16_bits16(__m512 v) {
+// 16 float32 rounded to bfloat16 (nearest even; NaN a quiet NaN), as float32 bits (the low
+// 16 zero): tg::round8's and tg::from_float's rounding.
+inline __m512i round_bits16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  rounded = _mm512_srli_epi32(rounded, 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                  _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+      _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc00000));
+}
+
+// 16 float32 as 16 bf16 (round_bits16's rounding): tg::from_float's bits.
+inline __m256i bf16_bits16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits16(v), 16));
 }
 
 }  // namespace tg
