@@ -108,17 +108,6 @@ void widen_rows(const T* base, const int64_t* offsets, float (*rows)[D]) {
 // read a few tiles later itself.
 constexpr int64_t kAhead = 16;
 
-// Where the library is built for AVX-512, into L2 (T1): as in paged_attention_avx512.cpp, a
-// request into L1 holds one of the core's few L1 miss buffers for the whole trip to memory. On
-// a Zen 4 VM (an fp16 cache, 32 sequences, one thread) T0 -> T1 gave 28.6 -> 26-27 ns a
-// position and KV head with each sequence's blocks in order and 44 -> 29-30 with its blocks
-// anywhere. AVX2 builds keep T0, what they were measured with.
-#if defined(__AVX512F__)
-#define TG_DECODE_PREFETCH_HINT _MM_HINT_T1
-#else
-#define TG_DECODE_PREFETCH_HINT _MM_HINT_T0
-#endif
-
 template <typename T, int D>
 inline void prefetch_rows(const T* base, const int64_t* offsets) {
   for (int p = 0; p < 8; ++p)

@@ -68,15 +68,10 @@ inline __m512 hsum_pairs(const __m512* v) {
   return _mm512_shuffle_f32x4(w, w, 0xD8);
 }
 
-// Into L2 (T1), not L1: a request into L1 holds one of the core's few L1 miss buffers (about
-// 24 on Zen 4) for the whole trip to memory, which caps the reads near 13 GB/s, while L2 keeps
-// many more in flight. On a Zen 4 VM (2 cores, one thread, 32 sequences, 30 layers' cache from
-// memory) T0 -> T1 took the attention from 25 to 14-15 ns a position and KV head, the rate a
-// loop that only reads the same bytes reaches (with no prefetch at all: 26 ns, as with T0);
-// on Zen 5 the two hints measured the same (fifteenth round).
 template <int D>
 inline void prefetch_row(const uint16_t* row) {
-  for (int c = 0; c < D * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T1);
+  for (int c = 0; c < D * 2; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + c, TG_DECODE_PREFETCH_HINT);
 }
 
 // Fetches rows of an item's keys ahead of its turn, kTile at a time, in order: the values'

@@ -12,6 +12,21 @@
 
 #include "simd.h"
 
+// The hint with which either form asks for the rows it reads ahead. Where the library is built
+// for AVX-512, into L2 (T1), not L1: a request into L1 holds one of the core's few L1 miss
+// buffers (about 24 on Zen 4) for the whole trip to memory, which caps the reads near 13 GB/s,
+// while L2 keeps many more in flight. On a Zen 4 VM (32 sequences, 30 layers' cache from
+// memory, one thread), per position and KV head with each sequence's blocks in order /
+// anywhere: the bf16 kernel T0 25 / 35-39 ns (no prefetch at all: 26 / 37), T1 14-15 / 17-18
+// (a loop that only reads the same bytes: 12-15); an fp16 cache (the AVX2 form) 28.6 / 44 ->
+// 26-27 / 29-30. On Zen 5 the two hints measured the same (benchmarks history, fifteenth
+// round). AVX2 builds keep T0, what they were measured with.
+#if defined(__AVX512F__)
+#define TG_DECODE_PREFETCH_HINT _MM_HINT_T1
+#else
+#define TG_DECODE_PREFETCH_HINT _MM_HINT_T0
+#endif
+
 namespace tg_decode {
 
 struct Item {
