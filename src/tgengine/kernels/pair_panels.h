@@ -151,8 +151,7 @@ int pair_linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels,
         const uint16_t* ps = panels + p0 * stride;
         const int64_t col = p0 * kPanel, cols = std::min<int64_t>(np * kPanel, n - col);
         alignas(64) float acc[kWideRows][kAccCols] = {};
-        const bool ahead = p0 + kWidePanels < last;
-        const uint16_t* next = ahead ? ps + kWidePanels * stride : nullptr;
+        const uint16_t* next = p0 + kWidePanels < last ? ps + kWidePanels * stride : nullptr;
         if (m == 1)
           block_rows<Micro, 1>(x, k, ps, stride, np, acc, next);
         else
