@@ -331,3 +331,23 @@ def test_threads_compares_the_default_count_with_fixed_ones_over_fresh_starts(
     assert s["best_fixed"] == 2 and s["fixed_medians"] == {1: 100.0, 2: 210.0}
     assert s["default_min_ratio"] == pytest.approx(0.9)
     assert s["default_starts_slower_than_bound"] == 1
+
+
+def test_peak_rss_is_the_high_water_mark_since_start() -> None:
+    """A peak that ends before anyone looks is still counted, and one from before ``start``
+    is not: the mark is reset, not sampled."""
+    import os
+
+    from tgengine.bench.peak_rss import PeakRSS
+
+    size = 64 * 1024 * 1024
+    rss = PeakRSS({"me": os.getpid()})
+    before = torch.ones(size, dtype=torch.uint8)  # touched: resident
+    del before
+    rss.start()
+    if rss.needs_sampling:
+        pytest.skip("the kernel keeps no resettable peak RSS for this process (not Linux?)")
+    assert rss.peaks()["me"] < size // 2  # the earlier peak does not count
+    during = torch.ones(size, dtype=torch.uint8)
+    del during  # gone before the peak is read, with no sampler running
+    assert rss.peaks()["me"] >= size * 0.9

@@ -2,13 +2,13 @@
 
 Every way in is timed on the same engine and the same bytes: ``update_weights(dir)``, a
 one-part ``update_weights(tensors)``, ``weight_update()`` in parts (awake), and the same
-parts with the weights asleep at level 2 (the parts become the weights; the wakeup is
-timed with them). The physical limit is a plain ``copy_`` of the same bytes, measured in
-the run; with the weights released (level 2) the limit is a copy into memory allocated then
-(``memcpy into new memory``: first-touch page faults included). Peak RSS is sampled every
-millisecond over each operation, above the RSS at its start (what the update itself needs
-beyond the engine already loaded; asleep, beyond the engine whose weights were released:
-the goal there is the weights, one part and 10 % of the weights).
+parts with the weights asleep at level 2 (the parts become the weights; the wakeup is timed
+with them). The physical limit is a plain ``copy_`` of the same bytes, measured in the run;
+with the weights released (level 2) the limit is a copy into memory allocated then (``memcpy
+into new memory``: first-touch page faults included). Peak RSS is the process's high-water
+mark over each operation (``peak_rss``), above the RSS at its start (what the update itself
+needs beyond the engine already loaded; asleep, beyond the engine whose weights were
+released: the goal there is the weights, one part and 10 % of the weights).
 Then the same tensors from another process (``weights_remote``): through ``ProcessEngine``
 (``update_weights(dir)`` and ``weight_update()`` in parts), and over HTTP from a client
 process, to a server whose engine runs in its process or in an engine process.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -27,13 +28,12 @@ from typing import Any
 import anyio
 import torch
 
-from ..agent.host_memory import process_rss, trim_host_heap
 from ..engine.engine import Engine
 from ..models import iter_safetensors
 from ..runtime import huge_pages
 from .common import BenchSetup
 from .engine_run import engine_config, warm_up
-from .weights_remote import http_rows, process_engine_rows
+from .weights_remote import http_rows, measured, process_engine_rows
 
 _MIB = 1024**2
 Named = list[tuple[str, torch.Tensor]]
@@ -87,27 +87,8 @@ async def _measured(action: Callable[[], Awaitable[object]]) -> tuple[float, int
     """Seconds ``action`` took, and its peak RSS above the RSS when it began (freed heap
     handed back first: else a reused free heap hides what the action needs)."""
     gc.collect()
-    trim_host_heap()
-    base, _ = process_rss()
-    peak = base
-    done = anyio.Event()
-
-    async def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, process_rss()[0])
-            await anyio.sleep(0.001)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sample)
-        start = time.perf_counter()
-        try:
-            await action()
-        finally:
-            seconds = time.perf_counter() - start
-            done.set()
-    peak = max(peak, process_rss()[0])
-    return seconds, peak - base
+    seconds, peaks, _ = await measured(action, {"self": os.getpid()})
+    return seconds, peaks["self"]
 
 
 async def _push(engine: Engine, parts: list[Named]) -> None:

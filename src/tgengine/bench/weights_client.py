@@ -1,11 +1,11 @@
 """A trainer in another process, for ``bench weights``: a full update pushed over HTTP.
 
 ``python -m tgengine.bench.weights_client SPEC.json`` reads the model's tensors (the
-trainer's weights, held in memory before the clock starts), then times one update in
-parts: open it, send each part as a safetensors body, commit. It prints one JSON line:
-``seconds``, ``peak_rss_over_bytes`` (its RSS sampled over the update, above the RSS with
-the weights loaded) and ``weight_version`` after the commit. Each body is streamed from the
-tensors' own memory (``safetensors_pieces``), as a trainer would send them; with
+trainer's weights, held in memory before the clock starts), then times one update in parts:
+open it, send each part as a safetensors body, commit. It prints one JSON line: ``seconds``,
+``peak_rss_over_bytes`` (its peak RSS over the update, above the RSS with the weights
+loaded: ``peak_rss``) and ``weight_version`` after the commit. Each body is streamed from
+the tensors' own memory (``safetensors_pieces``), as a trainer would send them; with
 ``"shared": true`` in the spec each part is written to one file in /dev/shm instead (written
 over by the next) and its path posted to ``parts/shared``.
 """
@@ -13,17 +13,11 @@ over by the next) and its path posted to ``parts/shared``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
-
-
-def _rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
 
 PIECE_BYTES = 4 * 1024 * 1024
 
@@ -66,21 +60,23 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
         safetensors_pieces,
         write_weights_file,
     )
+    from .peak_rss import PeakRSS
 
     parts = await anyio.to_thread.run_sync(_load, spec)
     headers = {"Authorization": f"Bearer {spec['admin_key']}"}
-    base = peak = _rss()
+    rss = PeakRSS({"client": os.getpid()})
     done = anyio.Event()
 
-    async def sample() -> None:
-        nonlocal peak
+    async def sample() -> None:  # only where the high-water mark cannot be reset
         while not done.is_set():
-            peak = max(peak, _rss())
+            rss.sample()
             await anyio.sleep(0.001)
 
     async with httpx.AsyncClient(base_url=spec["url"], headers=headers, timeout=600) as http:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sample)
+            rss.start()
+            if rss.needs_sampling:
+                tg.start_soon(sample)
             start = time.perf_counter()
             opened = await http.post("/weights/updates")
             opened.raise_for_status()
@@ -111,7 +107,7 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
             done.set()
     return {
         "seconds": seconds,
-        "peak_rss_over_bytes": max(peak, _rss()) - base,
+        "peak_rss_over_bytes": rss.peaks()["client"],
         "weight_version": committed.json()["weight_version"],
         "num_parts": len(parts),
     }

@@ -1,11 +1,11 @@
 """``bench weights`` from another process: through ``ProcessEngine``, and over HTTP.
 
 Each way is one full update of the same tensors, timed end to end (from opening the update
-to its commit's answer). Peak RSS is sampled every millisecond in every process involved,
-each above its own RSS at the start: the engine's (where the weights live), the sender's
-(the trainer: this bench process for ``ProcessEngine``, a client process for HTTP) and,
-for HTTP to an engine process, the server's in between; ``/dev/shm``'s use is sampled too
-(the parts cross there, one at a time).
+to its commit's answer). Peak RSS is measured in every process involved (its high-water
+mark: ``peak_rss``), each above its own RSS at the start: the engine's (where the weights
+live), the sender's (the trainer: this bench process for ``ProcessEngine``, a client process
+for HTTP) and, for HTTP to an engine process, the server's in between; ``/dev/shm``'s use is
+sampled (the parts cross there, one at a time).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import psutil
 import torch
 
 from ..agent.host_memory import trim_host_heap
@@ -32,43 +31,43 @@ from ..process.client import ProcessEngine
 from ..server import Server, ServerConfig
 from .common import BenchSetup
 from .engine_run import engine_config
+from .peak_rss import PeakRSS
 
 Named = list[tuple[str, torch.Tensor]]
 ADMIN_KEY = "bench-weights"
-
-
-def _rss(pid: int) -> int:
-    try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except psutil.NoSuchProcess:
-        return 0
 
 
 def _shm_used() -> int:
     return shutil.disk_usage(SHARED_MEMORY).used if SHARED_MEMORY.is_dir() else 0
 
 
+SHM_PERIOD = 0.005  # seconds between two looks at /dev/shm (a part's file lives longer)
+
+
 async def measured(
     action: Callable[[], Awaitable[Any]], pids: dict[str, int]
 ) -> tuple[float, dict[str, int], Any]:
-    """Seconds ``action`` took, each process's peak RSS above its start (by role, and
-    ``shm``: /dev/shm's peak use above its start), and what ``action`` returned."""
+    """Seconds ``action`` took, each process's peak RSS above its start (by role: their
+    high-water marks, ``PeakRSS``), ``shm``: /dev/shm's peak use above its start (looked at
+    every ``SHM_PERIOD``), and what ``action`` returned."""
     trim_host_heap()
-    base = {role: _rss(pid) for role, pid in pids.items()} | {"shm": _shm_used()}
-    peak = dict(base)
+    rss = PeakRSS(pids)
+    shm_base = shm_peak = _shm_used()
     done = anyio.Event()
 
     def sample_once() -> None:
-        for role, pid in pids.items():
-            peak[role] = max(peak[role], _rss(pid))
-        peak["shm"] = max(peak["shm"], _shm_used())
+        nonlocal shm_peak
+        shm_peak = max(shm_peak, _shm_used())
+        if rss.needs_sampling:
+            rss.sample()
 
     async def sample() -> None:
         while not done.is_set():
             sample_once()
-            await anyio.sleep(0.001)
+            await anyio.sleep(SHM_PERIOD if not rss.needs_sampling else 0.001)
 
     async with anyio.create_task_group() as tg:
+        rss.start()
         tg.start_soon(sample)
         start = time.perf_counter()
         try:
@@ -77,7 +76,7 @@ async def measured(
             seconds = time.perf_counter() - start
             done.set()
     sample_once()
-    return seconds, {role: peak[role] - base[role] for role in peak}, result
+    return seconds, rss.peaks() | {"shm": shm_peak - shm_base}, result
 
 
 async def _push(engine: EngineClient, parts: list[Named]) -> None:
