@@ -248,3 +248,21 @@ def test_plan_splits_decode_rows_by_length(monkeypatch: pytest.MonkeyPatch) -> N
     assert rows == list(range(8))
     for d in plan.decodes:  # each group is padded only to its own longest sequence
         assert d.width == max(-(-int(n) // BLOCK_SIZE) for n in lens[d.rows])
+
+
+def test_a_step_whose_every_row_samples_in_order_selects_no_logits_rows() -> None:
+    """A decode step leaves ``logits_rows`` None (the forward then indexes nothing); a step
+    with a prompt chunk, a row that does not sample or prompt log-probs still lists its rows."""
+    cpu = torch.device("cpu")
+    decode = [SeqStep("a", [5], 7, [0, 1], GREEDY), SeqStep("b", [6], 3, [2], GREEDY)]
+    assert prepare_inputs(decode, BLOCK_SIZE, cpu).logits_rows is None
+    chunk = [SeqStep("a", [5, 6, 7], 0, [0], GREEDY), SeqStep("b", [6], 3, [2], GREEDY)]
+    assert prepare_inputs(chunk, BLOCK_SIZE, cpu).logits_rows.tolist() == [2, 3]  # type: ignore[union-attr]
+    silent = [SeqStep("a", [5], 7, [0, 1], None), SeqStep("b", [6], 3, [2], GREEDY)]
+    assert prepare_inputs(silent, BLOCK_SIZE, cpu).logits_rows.tolist() == [1]  # type: ignore[union-attr]
+    targets = SeqStep("a", [5, 6, 7], 0, [0], None)  # a chunk: log-probs of its first token
+    targets.prompt_targets = [6]
+    rows = prepare_inputs([targets], BLOCK_SIZE, cpu).logits_rows
+    assert rows is not None and rows.tolist() == [0]
+    targets.prompt_targets, targets.params = [6, 7], GREEDY  # every row, in order: None
+    assert prepare_inputs([targets], BLOCK_SIZE, cpu).logits_rows is None

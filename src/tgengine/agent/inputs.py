@@ -13,8 +13,9 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
 
     Logits are computed, in sequence order, for each position that predicts a prompt token
     whose log probability is wanted (``seq.prompt_targets``), then for the last position of
-    each sequence that samples. Released blocks (out of every layer's window) are read as
-    block 0, like the padding: the window masks them out.
+    each sequence that samples; ``logits_rows`` is None where that is every row in order (a
+    decode step: the forward then selects none). Released blocks (out of every layer's
+    window) are read as block 0, like the padding: the window masks them out.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -59,5 +60,5 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
         decode_block_tables=as_tensor(padded).reshape(len(padded), width),
         decode_context_lens=as_tensor(decode_lens),
         prefills=prefills,
-        logits_rows=as_tensor(logits_rows),
+        logits_rows=None if logits_rows == list(range(len(input_ids))) else as_tensor(logits_rows),
     )
