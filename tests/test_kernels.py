@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -170,11 +172,19 @@ def _prefill_inputs(
     )
 
 
+@contextlib.contextmanager
+def prefill_form(form: str) -> Iterator[None]:
+    """The prefill kernel's form for bf16: float32 FMAs, AVX-512 BF16 dot products or AMX
+    tiles (each of the last two skips where the CPU lacks it)."""
+    with amx(form == "tiles"), avx512_bf16(form == "dots"):
+        yield
+
+
 @pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")
 @pytest.mark.parametrize(
-    ("dtype", "tol", "tiles"),  # AMX tiles: bf16 only
-    [(*DTYPES[1], False), (*DTYPES[2], False), (*DTYPES[1], True)],
-    ids=["bf16", "fp16", "bf16-amx"],
+    ("dtype", "tol", "form"),  # dot products and tiles: bf16 only
+    [(*DTYPES[1], "fma"), (*DTYPES[2], "fma"), (*DTYPES[1], "dots"), (*DTYPES[1], "tiles")],
+    ids=["bf16", "fp16", "bf16-avx512", "bf16-amx"],
 )
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
@@ -188,9 +198,9 @@ def test_prefill_kernel_matches_the_torch_path(
     num_kv_heads: int,
     head_dim: int,
     window: int | None,
-    tiles: bool,
+    form: str,
 ) -> None:
-    with amx(tiles):
+    with prefill_form(form):
         _check_prefill_kernel(dtype, tol, num_heads, num_kv_heads, head_dim, window)
 
 
@@ -225,13 +235,14 @@ def _check_prefill_kernel(
     return got
 
 
-def test_the_amx_prefill_kernel_runs_where_it_is_on() -> None:
+@pytest.mark.parametrize("form", ["dots", "tiles"])
+def test_each_bf16_prefill_form_runs_where_it_is_on(form: str) -> None:
     args = (torch.bfloat16, 2e-2, 9, 3, 64, None)
-    with amx(True):
-        tiles = _check_prefill_kernel(*args)
-    with amx(False):
+    with prefill_form(form):
+        got = _check_prefill_kernel(*args)
+    with prefill_form("fma"):
         fmas = _check_prefill_kernel(*args)
-    assert not torch.equal(tiles, fmas), "the tiles' sums are in another order"
+    assert not torch.equal(got, fmas), "bf16 products sum in another order than float32 FMAs"
 
 
 @pytest.mark.skipif(not kernels.has_half_linear(), reason="no AVX2/FMA/F16C for paged_prefill")

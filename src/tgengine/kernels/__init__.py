@@ -1,7 +1,9 @@
 """CPU kernels tgengine compiles itself, once per machine, with a plain-torch fallback.
 
 ``paged_decode`` runs decode attention straight on the paged KV cache (see
-``paged_attention.cpp``), ``paged_prefill`` a prompt span's attention (``prefill_attention.cpp``);
+``paged_attention.cpp``), ``paged_prefill`` a prompt span's attention (``prefill_attention.cpp``;
+a bf16 cache's in bf16 products where the CPU has AMX tiles or AVX-512 BF16:
+``prefill_attention_bf16.cpp``);
 ``half_linear`` and ``panel_linear`` run linear products on
 bf16/fp16 weights, widening them in registers (see ``half_linear.cpp``; AVX2 + FMA + F16C),
 the latter on a weight packed once into 16-row panels (``pack_panels``, or ``quantize_panels``:
@@ -43,7 +45,7 @@ _SOURCES = tuple(
     for n in (
         "paged_attention.cpp",
         "prefill_attention.cpp",
-        "prefill_attention_amx.cpp",
+        "prefill_attention_bf16.cpp",
         "half_linear.cpp",
         "elementwise.cpp",
         "elementwise_avx512.cpp",
@@ -70,7 +72,7 @@ _SOURCE_FLAGS = {
     "pair_panels.cpp": ["-fno-associative-math"],
     "pair_panels_avx512.cpp": _AVX512_BF16_FLAGS,
     "pair_panels_amx.cpp": _AMX_FLAGS,
-    "prefill_attention_amx.cpp": _AMX_FLAGS,
+    "prefill_attention_bf16.cpp": _AMX_FLAGS,
     "paged_attention_avx512.cpp": _AVX512_BF16_FLAGS,
     "elementwise_avx512.cpp": [*_AVX512_BF16_FLAGS, "-mfma", "-mf16c"],  # simd.h's AVX2 tails
 }
@@ -331,7 +333,8 @@ def paged_prefill(
 
 def avx512_bf16() -> bool:
     """Whether the AVX-512 BF16 kernels run: bf16 decode attention and element-wise work
-    (``*_avx512.cpp``) and the pair panels ``Gemm`` packs bf16 weights into
+    (``*_avx512.cpp``), bf16 prefill attention in ``vdpbf16ps`` where AMX is off
+    (``prefill_attention_bf16.cpp``) and the pair panels ``Gemm`` packs bf16 weights into
     (``pair_panels``). On where the CPU has AVX-512 BF16, unless ``TGENGINE_AVX512_BF16=0``
     is in the environment or ``set_avx512_bf16(False)`` was called."""
     lib = load()

@@ -1,4 +1,4 @@
-// What the AMX kernels share (pair_panels_amx.cpp, prefill_attention_amx.cpp): the tiles'
+// What the AMX kernels share (pair_panels_amx.cpp, prefill_attention_bf16.cpp): the tiles'
 // configuration. Included by sources built with -mamx-tile -mamx-bf16 (kernels/__init__.py).
 #pragma once
 

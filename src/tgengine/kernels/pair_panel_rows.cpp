@@ -10,7 +10,7 @@
 #include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "simd512.h"
 #define TG_TRANSPOSE_512 1
 #endif
 
@@ -25,37 +25,18 @@ inline bool finite(uint32_t pair) {
 }
 
 #ifdef TG_TRANSPOSE_512
-// A full tile, 16 rows by 16 pairs, in 512-bit registers: rows loaded, transposed by the
-// usual unpack / shuffle network, each pair column stored whole. Returns false when some
+// A full tile, 16 rows by 16 pairs, in 512-bit registers: rows loaded, transposed
+// (tg::transpose16x16_epi32), each pair column stored whole. Returns false when some
 // value is not finite.
 inline bool tile_16x16(const uint16_t* src, int64_t stride, uint32_t* dst) {
-  __m512i r[16], t[16];
+  __m512i r[16];
   __mmask32 bad = 0;
   const __m512i exp = _mm512_set1_epi16(0x7f80);
   for (int i = 0; i < 16; ++i) {
     r[i] = _mm512_loadu_si512(src + i * stride);
     bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r[i], exp), exp);
   }
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int h = 0; h < 16; h += 8) {
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
+  tg::transpose16x16_epi32(r);
   for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * 16, r[j]);
   return bad == 0;
 }

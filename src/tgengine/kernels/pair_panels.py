@@ -133,7 +133,7 @@ def pair_panel_variants() -> tuple[str, ...]:
 
 def amx() -> bool:
     """Whether the AMX kernels run: products on pair panels, and the prefill attention of a
-    bf16 cache (``prefill_attention_amx.cpp``). On where the CPU has AMX tiles for bf16 and
+    bf16 cache (``prefill_attention_bf16.cpp``). On where the CPU has AMX tiles for bf16 and
     Linux grants them, unless ``TGENGINE_AMX=0`` is in the environment or
     ``set_amx(False)`` was called."""
     lib = kernels.load()

@@ -344,12 +344,20 @@ int dispatch(const void* q, int64_t q_stride, const void* cache, const int64_t* 
 }  // namespace
 #endif
 
-extern "C" int tg_use_amx(int on);  // pair_panels_amx.cpp
+extern "C" int tg_use_amx(int on);          // pair_panels_amx.cpp
+extern "C" int tg_use_avx512_bf16(int on);  // pair_panels.cpp
+// prefill_attention_bf16.cpp: bf16 on AMX tiles, and in AVX-512 BF16 dot products.
 extern "C" int tg_paged_prefill_amx(const void* q, int64_t q_stride, const void* cache,
                                     const int64_t* table, void* out, int64_t out_stride,
                                     int64_t n, int64_t len, int64_t num_heads,
                                     int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                                     int64_t head_dim, int64_t window, float scale, int threads);
+extern "C" int tg_paged_prefill_bf16(const void* q, int64_t q_stride, const void* cache,
+                                     const int64_t* table, void* out, int64_t out_stride,
+                                     int64_t n, int64_t len, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t num_blocks,
+                                     int64_t block_size, int64_t head_dim, int64_t window,
+                                     float scale, int threads);
 
 // dtype: 1 bfloat16, 2 float16 (float32 stays on torch's path). Returns 0, or nonzero for what
 // it does not handle (then the caller uses the torch path): 1 head layout, 2 head_dim, 3 dtype
@@ -359,11 +367,18 @@ extern "C" int tg_paged_prefill(int dtype, const void* q, int64_t q_stride, cons
                                 int64_t len, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t num_blocks, int64_t block_size, int64_t head_dim,
                                 int64_t window, float scale, int threads) {
-  if (dtype == 1 && tg_use_amx(-1) == 1) {  // bf16 on AMX tiles (prefill_attention_amx.cpp)
+  if (dtype == 1 && tg_use_amx(-1) == 1) {  // bf16 on AMX tiles (prefill_attention_bf16.cpp)
     const int status =
         tg_paged_prefill_amx(q, q_stride, cache, table, out, out_stride, n, len, num_heads,
                              num_kv_heads, num_blocks, block_size, head_dim, window, scale,
                              threads);
+    if (status != 3) return status;
+  }
+  if (dtype == 1 && tg_use_avx512_bf16(-1) == 1) {  // bf16 in vdpbf16ps (the same file)
+    const int status =
+        tg_paged_prefill_bf16(q, q_stride, cache, table, out, out_stride, n, len, num_heads,
+                              num_kv_heads, num_blocks, block_size, head_dim, window, scale,
+                              threads);
     if (status != 3) return status;
   }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
