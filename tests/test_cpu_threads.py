@@ -38,3 +38,30 @@ def test_one_stalled_round_does_not_decide_the_count() -> None:
     best, rates = cpu_threads.pick_count(rounds)
     assert best == 2 and rates == {"1": 100.0, "2": 190.0}
     assert cpu_threads.pick_count({"1": [100.0] * 5, "2": [90.0] * 5})[0] == 1
+
+
+def test_a_close_call_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two threads measured as one through the first five rounds (the second core busy
+    # elsewhere for a while), then at their speed: all ten rounds pick two.
+    assert cpu_threads.is_close_call({"1": 186.0, "2": 185.0})
+    assert not cpu_threads.is_close_call({"1": 100.0, "2": 170.0})
+    assert not cpu_threads.is_close_call({"1": 100.0})
+    seen: list[int] = []
+
+    def rounds_so_far(rounds: dict[str, list[float]]) -> tuple[int, dict[str, float]]:
+        seen.append(len(rounds["1"]))
+        if len(rounds["1"]) == 5:  # the first five: a tie
+            rounds = {"1": [186.0] * 5, "2": [185.0] * 5}
+        else:
+            rounds = {"1": [186.0] * 5 + [180.0] * 5, "2": [185.0] * 5 + [290.0] * 5}
+        return pick(rounds)
+
+    pick = cpu_threads.pick_count
+    monkeypatch.setattr(cpu_threads, "pick_count", rounds_so_far)
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        best, _ = cpu_threads.fastest_thread_count(torch.float32, 0.001)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [5, 10] and best == 2
