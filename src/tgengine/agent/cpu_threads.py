@@ -34,8 +34,9 @@ _ENGINE_ROUND_SECONDS = 0.05
 # A close call is measured again: when the runner-up's median is within this fraction of the
 # best's, _ROUNDS more rounds run and all of them decide. On the 2-core Zen 4 VM a stretch of
 # about 0.4 s where the second vCPU ran something else made two threads measure as one (1 of
-# 20 probes: medians 186 against 185 GFLOP/s, where two threads run 1.6x one), and that start
-# ran the mixed workload at 0.64x the best fixed count (bench threads, 1 of 10 starts).
+# 20 probes run alone: medians 186 against 185 GFLOP/s, where two threads run 1.6x one); in
+# bench threads, 1 start of 10 picked one thread and ran the mixed workload at 0.64x the best
+# fixed count.
 _CLOSE = 0.1
 
 
