@@ -351,3 +351,30 @@ def test_peak_rss_is_the_high_water_mark_since_start() -> None:
     during = torch.ones(size, dtype=torch.uint8)
     del during  # gone before the peak is read, with no sampler running
     assert rss.peaks()["me"] >= size * 0.9
+
+
+@pytest.mark.anyio
+async def test_peak_rss_samples_a_process_without_a_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the high-water mark cannot be reset, ``watching`` reads the RSS while its block
+    runs (and the mark is not used)."""
+    import os
+
+    import anyio
+
+    from tgengine.bench import peak_rss
+
+    monkeypatch.setattr(peak_rss, "_reset_high_water_mark", lambda pid: False)
+    sampled = anyio.Event()
+    sample = peak_rss.PeakRSS.sample
+
+    def counted(self: peak_rss.PeakRSS) -> None:
+        sample(self)
+        sampled.set()
+
+    monkeypatch.setattr(peak_rss.PeakRSS, "sample", counted)
+    rss = peak_rss.PeakRSS({"me": os.getpid()})
+    with anyio.fail_after(10):
+        async with rss.watching():
+            assert rss.needs_sampling
+            await sampled.wait()  # the sampler runs beside the block
+    assert rss.peaks()["me"] >= 0

@@ -6,14 +6,19 @@ process of the same user). So the peak over an action is exact and costs nothing
 runs. A sampler (psutil every millisecond, some 50 us a process each time) can miss a peak
 shorter than its period, and took about 15 % of a core from the update it measured on the
 2-core machine of docs/server.md. Where the mark cannot be reset (not Linux, another
-user's process), ``sample`` reads the RSS instead, as often as the caller calls it.
+user's process), ``watching`` samples the RSS every millisecond instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import psutil
+
+SAMPLE_PERIOD = 0.001  # seconds between two RSS readings, for a process without a mark
 
 
 def _rss(pid: int) -> int:
@@ -45,7 +50,8 @@ def _reset_high_water_mark(pid: int) -> bool:
 
 class PeakRSS:
     """Each named process's peak RSS above its RSS at ``start``: its high-water mark, reset
-    by ``start``, where Linux allows; else the largest RSS that ``sample`` saw."""
+    by ``start``, where Linux allows; else the largest RSS that ``sample`` saw
+    (``watching`` does both)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self._pids = dict(pids)
@@ -57,6 +63,26 @@ class PeakRSS:
     def needs_sampling(self) -> bool:
         """Whether some process has no mark: then call ``sample`` while the action runs."""
         return bool(set(self._pids) - self._marked)
+
+    @asynccontextmanager
+    async def watching(self) -> AsyncIterator[PeakRSS]:
+        """``start``, then, while the block runs, ``sample`` every ``SAMPLE_PERIOD`` where a
+        process has no mark (nothing runs beside the block where all have one)."""
+        self.start()
+        if not self.needs_sampling:
+            yield self
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._sample_forever)
+            try:
+                yield self
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            self.sample()
+            await anyio.sleep(SAMPLE_PERIOD)
 
     def start(self) -> None:
         """From now on (call it right before the action)."""

@@ -65,18 +65,9 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
     parts = await anyio.to_thread.run_sync(_load, spec)
     headers = {"Authorization": f"Bearer {spec['admin_key']}"}
     rss = PeakRSS({"client": os.getpid()})
-    done = anyio.Event()
-
-    async def sample() -> None:  # only where the high-water mark cannot be reset
-        while not done.is_set():
-            rss.sample()
-            await anyio.sleep(0.001)
 
     async with httpx.AsyncClient(base_url=spec["url"], headers=headers, timeout=600) as http:
-        async with anyio.create_task_group() as tg:
-            rss.start()
-            if rss.needs_sampling:
-                tg.start_soon(sample)
+        async with rss.watching():
             start = time.perf_counter()
             opened = await http.post("/weights/updates")
             opened.raise_for_status()
@@ -104,7 +95,6 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
             committed = await http.post(f"/weights/updates/{update}/commit")
             committed.raise_for_status()
             seconds = time.perf_counter() - start
-            done.set()
     return {
         "seconds": seconds,
         "peak_rss_over_bytes": rss.peaks()["client"],

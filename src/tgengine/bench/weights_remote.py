@@ -55,27 +55,21 @@ async def measured(
     shm_base = shm_peak = _shm_used()
     done = anyio.Event()
 
-    def sample_once() -> None:
+    async def watch_shm() -> None:
         nonlocal shm_peak
-        shm_peak = max(shm_peak, _shm_used())
-        if rss.needs_sampling:
-            rss.sample()
-
-    async def sample() -> None:
         while not done.is_set():
-            sample_once()
-            await anyio.sleep(SHM_PERIOD if not rss.needs_sampling else 0.001)
+            shm_peak = max(shm_peak, _shm_used())
+            await anyio.sleep(SHM_PERIOD)
 
-    async with anyio.create_task_group() as tg:
-        rss.start()
-        tg.start_soon(sample)
+    async with anyio.create_task_group() as tg, rss.watching():
+        tg.start_soon(watch_shm)
         start = time.perf_counter()
         try:
             result = await action()
         finally:
             seconds = time.perf_counter() - start
             done.set()
-    sample_once()
+    shm_peak = max(shm_peak, _shm_used())
     return seconds, rss.peaks() | {"shm": shm_peak - shm_base}, result
 
 
