@@ -60,5 +60,11 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device) -
         decode_block_tables=as_tensor(padded).reshape(len(padded), width),
         decode_context_lens=as_tensor(decode_lens),
         prefills=prefills,
-        logits_rows=None if logits_rows == list(range(len(input_ids))) else as_tensor(logits_rows),
+        logits_rows=None if _every_row(logits_rows, len(input_ids)) else as_tensor(logits_rows),
     )
+
+
+def _every_row(rows: list[int], num_rows: int) -> bool:
+    """Whether ``rows`` is 0 .. num_rows - 1 in order (no list is built for a prefill's
+    thousands of rows: their counts differ first)."""
+    return len(rows) == num_rows and rows == list(range(num_rows))
