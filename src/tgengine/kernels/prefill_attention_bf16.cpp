@@ -398,16 +398,19 @@ int dispatch(const void* q, int64_t q_stride, const void* cache, const int64_t* 
   q, q_stride, cache, table, out, out_stride, n, len, num_heads, num_kv_heads, num_blocks, \
       block_size, head_dim, window, scale, threads
 
+// 3: this form does not run here (the CPU or the build lacks it); takes the call's arguments.
+template <class... Args>
+int unavailable(const Args&...) {
+  return 3;
+}
+
 // As tg_paged_prefill for a bf16 cache (its statuses), on AMX tiles; 3 where the CPU has no
 // AMX or this build lacks it.
 extern "C" int tg_paged_prefill_amx(TG_PREFILL_ARGS) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (tg_cpu_has_amx()) return dispatch<Tiles>(TG_PREFILL_PASS);
 #endif
-  (void)q, (void)q_stride, (void)cache, (void)table, (void)out, (void)out_stride, (void)n;
-  (void)len, (void)num_heads, (void)num_kv_heads, (void)num_blocks, (void)block_size;
-  (void)head_dim, (void)window, (void)scale, (void)threads;
-  return 3;
+  return unavailable(TG_PREFILL_PASS);
 }
 
 // The same in AVX-512 BF16 dot products; 3 where the CPU has no AVX-512 BF16.
@@ -415,8 +418,5 @@ extern "C" int tg_paged_prefill_bf16(TG_PREFILL_ARGS) {
 #if defined(__AVX512BF16__)
   if (tg_cpu_has_avx512_bf16()) return dispatch<Dots>(TG_PREFILL_PASS);
 #endif
-  (void)q, (void)q_stride, (void)cache, (void)table, (void)out, (void)out_stride, (void)n;
-  (void)len, (void)num_heads, (void)num_kv_heads, (void)num_blocks, (void)block_size;
-  (void)head_dim, (void)window, (void)scale, (void)threads;
-  return 3;
+  return unavailable(TG_PREFILL_PASS);
 }
