@@ -378,3 +378,44 @@ async def test_peak_rss_samples_a_process_without_a_mark(monkeypatch: pytest.Mon
             assert rss.needs_sampling
             await sampled.wait()  # the sampler runs beside the block
     assert rss.peaks()["me"] >= 0
+
+
+def test_the_weights_chart_fits_its_paths(tmp_path: Path) -> None:
+    """``bench weights``' paths are long: the chart wraps them, labels its left half only,
+    and grows to fit (matplotlib warned "Tight layout not applied" and cut them off)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    from tgengine.bench import plots
+
+    paths = ["memcpy (the limit)", "update_weights(dir)", "weight_update() in 35 parts"]
+    for where in ("the server's process", "an engine process"):
+        for how in ("35 parts", "35 paths in /dev/shm"):
+            paths.append(f"HTTP from another process, engine in {where}: {how}")
+    paths += [f"ProcessEngine asleep (level 2): {n} parts + wakeup" for n in range(10, 16)]
+    rows = [
+        {"path": p, "gb_per_s": 1.0 + i, "peak_over_weights": 1.0 + i / 10}
+        for i, p in enumerate(paths)
+    ]
+    result = {"bench": "weights", "machine": {"isa": "avx2"}, "rows": rows}
+    saved: list[Figure] = []
+    original = Figure.savefig
+
+    def savefig(self: Figure, *args: Any, **kw: Any) -> None:
+        saved.append(self)
+        original(self, *args, **kw)
+
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("error")  # "Tight layout not applied" fails the test
+        patch.setattr(Figure, "savefig", savefig)
+        assert plots.plot(result, tmp_path / "weights.png")
+    (figure,) = saved
+    left, right = figure.axes
+    labels = [t.get_text() for t in left.get_yticklabels()]
+    assert [label.replace("\n", " ") for label in labels] == paths
+    assert max(len(line) for label in labels for line in label.split("\n")) <= 34
+    assert right.yaxis.get_tick_params()["labelleft"] is False
+    assert figure.get_figheight() > 4.5  # the default height: grown for 13 wrapped paths

@@ -129,7 +129,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[1].set_xlabel("run")
         axes[1].set_ylabel("seconds to exit")
     fig.suptitle(f"tgengine bench {kind}{isa_suffix(result)}")
-    line_h = text_in / height
+    line_h = text_in / fig.get_figheight()  # a chart may have grown to fit its labels
     fig.tight_layout(rect=(0, line_h * len(ratios) + 0.01, 1, 1))
     for i, line in enumerate(ratios):
         fig.text(0.01, line_h * (len(ratios) - 1 - i) + 0.01, line, fontsize=9)
