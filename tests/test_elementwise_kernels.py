@@ -117,7 +117,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)  # NaN's bits compare too
 
 
-@pytest.mark.parametrize(("rows", "size"), [(1, 576), (5, 72), (300, 576), (3, 37), (2, 24)])
+# 32 x 576: a decode step's norm, threaded from 8,192 elements on (the plain form: 32,768)
+@pytest.mark.parametrize(
+    ("rows", "size"), [(1, 576), (5, 72), (32, 576), (300, 576), (3, 37), (2, 24)]
+)
 @pytest.mark.parametrize("unit_offset", [False, True])
 def test_add_rms_norm_gives_the_same_bits_with_and_without_avx512_bf16(
     rows: int, size: int, unit_offset: bool

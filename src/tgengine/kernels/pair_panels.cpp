@@ -14,6 +14,8 @@ struct Portable {
   static void run(const uint16_t* x, int64_t k, const uint16_t* panels, int64_t stride,
                   float (*acc)[tg_pairs::kAccCols], const uint16_t* /*ahead: no prefetching here*/) {
     const int64_t pairs = (k + 1) / 2;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NP * tg_pairs::kPanel; ++c) acc[r][c] = 0.0f;
     for (int64_t j = 0; j < pairs; ++j) {
       for (int r = 0; r < R; ++r) {
         const uint32_t pair = tg_pairs::x_pair(x + r * k, k, j);
