@@ -85,6 +85,31 @@ def test_throughput(
     assert f"{before / 1e9:.0f}/{after / 1e9:.0f}" in printed
 
 
+def test_a_peer_at_n_threads_is_compared_with_tgengine_at_n_threads() -> None:
+    from tgengine.bench.throughput import _ratios
+
+    def row(system: str, tokens_per_s: float, threads: int, peer: str | None) -> dict[str, Any]:
+        found: dict[str, Any] = {"system": system, "tokens_per_s": tokens_per_s}
+        found["threads"] = threads
+        if peer is not None:
+            found["peer"] = peer
+        return found
+
+    rows = [
+        row("tgengine t=1", 200.0, 1, None),
+        row("tgengine t=2", 350.0, 2, None),
+        row("vllm t=1", 160.0, 1, "vllm"),
+        row("vllm t=2", 250.0, 2, "vllm"),
+        row("llamacpp t=4", 100.0, 4, "llamacpp"),
+    ]
+    ratios = _ratios(rows)
+    assert ratios["tgengine / vllm t=1"] == pytest.approx(200 / 160)  # not 350 / 160
+    assert ratios["tgengine / vllm t=2"] == pytest.approx(350 / 250)
+    assert ratios["tgengine (best) / llamacpp t=4"] == pytest.approx(350 / 100)
+    assert ratios["tgengine / vllm (best)"] == pytest.approx(350 / 250)
+    assert ratios["tgengine / llamacpp (best)"] == pytest.approx(350 / 100)
+
+
 def test_latency(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_bench("latency", tiny_llama_dir, tmp_path, capsys=capsys)
     assert_roofline(result)

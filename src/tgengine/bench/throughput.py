@@ -195,16 +195,23 @@ def _peer_rows(
 
 
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """tgengine's tokens/s over each peer's, and over the best static ``generate``."""
+    """tgengine's tokens/s over each peer's (a peer's row at ``t=N`` over tgengine's at
+    ``t=N`` where that ran, else over tgengine's best), and over the best static
+    ``generate``."""
     by_name = {r["system"]: r for r in rows}
     tg = best_tgengine(rows, "tokens_per_s")
     if tg is None:
         return {}
-    ratios = {
-        f"tgengine / {name}": tg["tokens_per_s"] / r["tokens_per_s"]
-        for name, r in by_name.items()
-        if not is_tgengine(name) and r["tokens_per_s"] > 0
-    }
+    ratios: dict[str, float] = {}
+    for name, r in by_name.items():
+        if is_tgengine(name) or r["tokens_per_s"] <= 0:
+            continue
+        same = by_name.get(f"tgengine t={r['threads']}") if "threads" in r else None
+        if same is not None or "tgengine" in by_name:  # that thread count, or tgengine's one
+            mine = same or tg
+            ratios[f"tgengine / {name}"] = mine["tokens_per_s"] / r["tokens_per_s"]
+        else:
+            ratios[f"tgengine (best) / {name}"] = tg["tokens_per_s"] / r["tokens_per_s"]
     if "threads" in tg:
         ratios["best tgengine threads"] = float(tg["threads"])
     static = [r for r in rows if r["system"].startswith("hf_generate bs=")]
