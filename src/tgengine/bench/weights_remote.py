@@ -53,11 +53,10 @@ async def measured(
     trim_host_heap()
     rss = PeakRSS(pids)
     shm_base = shm_peak = _shm_used()
-    done = anyio.Event()
 
     async def watch_shm() -> None:
         nonlocal shm_peak
-        while not done.is_set():
+        while True:
             shm_peak = max(shm_peak, _shm_used())
             await anyio.sleep(SHM_PERIOD)
 
@@ -68,7 +67,7 @@ async def measured(
             result = await action()
         finally:
             seconds = time.perf_counter() - start
-            done.set()
+            tg.cancel_scope.cancel()
     shm_peak = max(shm_peak, _shm_used())
     return seconds, rss.peaks() | {"shm": shm_peak - shm_base}, result
 
