@@ -89,11 +89,8 @@ def test_a_peer_at_n_threads_is_compared_with_tgengine_at_n_threads() -> None:
     from tgengine.bench.throughput import _ratios
 
     def row(system: str, tokens_per_s: float, threads: int, peer: str | None) -> dict[str, Any]:
-        found: dict[str, Any] = {"system": system, "tokens_per_s": tokens_per_s}
-        found["threads"] = threads
-        if peer is not None:
-            found["peer"] = peer
-        return found
+        found = {"system": system, "tokens_per_s": tokens_per_s, "threads": threads}
+        return found if peer is None else found | {"peer": peer}
 
     rows = [
         row("tgengine t=1", 200.0, 1, None),

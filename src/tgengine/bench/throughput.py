@@ -206,12 +206,10 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     for name, r in by_name.items():
         if is_tgengine(name) or r["tokens_per_s"] <= 0:
             continue
-        same = by_name.get(f"tgengine t={r['threads']}") if "threads" in r else None
-        if same is not None or "tgengine" in by_name:  # that thread count, or tgengine's one
-            mine = same or tg
-            ratios[f"tgengine / {name}"] = mine["tokens_per_s"] / r["tokens_per_s"]
-        else:
-            ratios[f"tgengine (best) / {name}"] = tg["tokens_per_s"] / r["tokens_per_s"]
+        same = by_name.get(f"tgengine t={r.get('threads')}")
+        # tgengine at that thread count, or its one run; else its best, said in the label
+        label = "tgengine" if same is not None or "tgengine" in by_name else "tgengine (best)"
+        ratios[f"{label} / {name}"] = (same or tg)["tokens_per_s"] / r["tokens_per_s"]
     if "threads" in tg:
         ratios["best tgengine threads"] = float(tg["threads"])
     static = [r for r in rows if r["system"].startswith("hf_generate bs=")]
