@@ -16,6 +16,7 @@ from ..engine.client import EngineClient
 from ..engine.engine import Engine
 from ..errors import TGEngineError
 from ..process import EngineSupervisor, ProcessEngine, RestartPolicy
+from ..runtime.gc_heap import freeze_startup_heap
 from ..server.config import TOOL_CALL_PARSERS, ServerConfig
 from .common import add_engine_options, engine_config, fail
 from .signals import stop_on_signals
@@ -201,6 +202,7 @@ async def _serve(
 
             await tg.start(run_engine)
             await tg.start(server.run)
+            freeze_startup_heap()  # this process is the server's: full collections skip start-up
             name = server_config.served_model_name or served_name(config.model)
             print(f"tgengine: serving {name!r} at {server.url}", flush=True)
     except BaseExceptionGroup as group:

@@ -26,6 +26,7 @@ from ..ipc.orphan import ParentWatch
 from ..ipc.portable import portable
 from ..ipc.spawn import child_args
 from ..ipc.wire import Channel
+from ..runtime.gc_heap import freeze_startup_heap
 from ..runtime.task_status import StartedOnce
 from .mp_messages import Fatal, Loaded, Memory
 from .worker import Execute, RankSpec, RankWorker
@@ -56,6 +57,7 @@ async def _serve(worker: RankWorker, channel: Channel, parent: ParentWatch) -> i
         tg.start_soon(parent.watch, tg.cancel_scope)
         info = await tg.start(_run_rank, worker, failed, tg.cancel_scope)
         if info is not None:
+            freeze_startup_heap()  # the rank's process is its own; sleep's collection is then short
             await _send(channel, parent, Loaded(info, os.getpid(), worker.memory_stats()))
             await _obey(worker, channel, parent)
         tg.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from anyio.abc import UNIXSocketStream
 from ..engine.engine import Engine
 from ..ipc.spawn import child_args
 from ..ipc.wire import Channel
+from ..runtime.gc_heap import freeze_startup_heap
 from .host import EngineHost
 from .messages import Setup
 
@@ -34,7 +35,8 @@ async def serve_parent(sock: socket.socket) -> BaseException | None:
             raise TypeError(f"expected Setup alone first, got {type(setup).__name__}")
         factory = setup.executor_factory
         engine = Engine(setup.config, executor=factory(setup.config) if factory else None)
-        return await EngineHost(engine, channel).run()
+        # this process is the engine's alone: start-up's objects are frozen once it serves
+        return await EngineHost(engine, channel, on_ready=freeze_startup_heap).run()
     finally:
         with anyio.CancelScope(shield=True):
             await channel.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -61,9 +62,12 @@ class EngineHost:
     was sent every chunk and the ``Final`` message.
     """
 
-    def __init__(self, engine: Engine, channel: Channel) -> None:
+    def __init__(
+        self, engine: Engine, channel: Channel, on_ready: Callable[[], object] | None = None
+    ) -> None:
         self.engine = engine
         self.channel = channel
+        self._on_ready = on_ready  # called once the engine serves, before the parent hears
         self._outbox, self._outgoing = anyio.create_memory_object_stream[Any](math.inf)
         self._parent = ParentWatch()
         self._cause: BaseException | None = None
@@ -87,6 +91,8 @@ class EngineHost:
                         control.start_soon(self._parent.watch, control.cancel_scope)
                         await control.start(self._run_engine, control.cancel_scope)
                         if self._cause is None:
+                            if self._on_ready is not None:
+                                self._on_ready()
                             model = self.engine.model_config
                             self._send(Ready(model, self.engine.max_model_len, os.getpid()))
                             control.start_soon(self._read_loop, forwarders, control)
