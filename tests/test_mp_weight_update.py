@@ -51,13 +51,20 @@ class ShardTakingAgent(ModelAgent):
     given must lie in its mapping of the shared file."""
 
     def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self._in_shared_file(named)
+        super()._update_weights(named)
+
+    async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self._in_shared_file(named)
+        await super().stage_weights(named)
+
+    def _in_shared_file(self, named: list[tuple[str, torch.Tensor]]) -> None:
         ranges = shared_file_ranges()
         for name, tensor in named:
             address = tensor.data_ptr()
             if not any(start <= address < end for start, end in ranges):
                 rank = self.parallel.rank
                 raise AssertionError(f"rank {rank} holds a private copy of the full {name}")
-        super()._update_weights(named)
 
 
 async def test_each_rank_takes_only_its_shard(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -115,10 +122,49 @@ async def test_updates_committed_asleep_apply_in_order_at_the_weights_wakeup(
             assert engine.weight_version == 2
             assert len(shared_weight_dirs() - files) == 2  # they wait there, asleep
             await engine.wakeup(["weights"])
+            assert engine.weight_version == 2  # the staged sets hold every weight: no reload
             assert shared_weight_dirs() == files
             await engine.wakeup(["kv_cache"])
             got = [tokens_of(r) for r in await generate_all(engine, prompts, greedy(MAX_TOKENS))]
             tg.cancel_scope.cancel()
     assert got == want
+    assert child_pids() == before
+    assert shared_weight_dirs() == files
+
+
+@pytest.mark.parametrize("whole", [True, False])
+async def test_a_level_2_wakeup_reads_from_disk_only_what_the_staged_update_lacks(
+    tiny_llama_dir: Path, tmp_path: Path, whole: bool
+) -> None:
+    """One rank: the weights wake from an update committed asleep at level 2 as an
+    in-process engine's do. A whole set becomes the weights (``weight_version`` 1: nothing
+    was reloaded); a partial one leaves the rest to the model directory (a reload: 2)."""
+    new_dir = make_tiny_model_dir(tmp_path / "b", arch="llama", seed=1)
+    named = list(iter_safetensors(new_dir))
+    if not whole:
+        named = [(n, t) for n, t in named if n.startswith("model.layers.0.")]
+    prompts = make_prompts(vocab_size=384, count=2)
+
+    async def cycle(executor: str) -> tuple[list[int], list[list[int]]]:
+        engine = Engine(tiny_config(tiny_llama_dir, executor=executor))
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await engine.sleep(2)
+            await engine.update_weights(named)
+            versions = [engine.weight_version]
+            await engine.wakeup()
+            versions.append(engine.weight_version)
+            got = [tokens_of(r) for r in await generate_all(engine, prompts, greedy(MAX_TOKENS))]
+            tg.cancel_scope.cancel()
+        return versions, got
+
+    before, files = child_pids(), shared_weight_dirs()
+    with anyio.fail_after(TIMEOUT):
+        in_process = await cycle("uni")
+        workers = await cycle("mp")
+    assert workers == in_process
+    assert workers[0] == ([1, 1] if whole else [1, 2])
+    if whole:
+        assert workers[1] == [hf_greedy(new_dir, p, MAX_TOKENS) for p in prompts]
     assert child_pids() == before
     assert shared_weight_dirs() == files

@@ -5,8 +5,10 @@ Each worker (``mp_worker``) runs one rank's ``ModelAgent`` under the agent's own
 rank 0's reply carries the sampled tokens. Weights for ``update_weights`` travel as one
 safetensors file in ``/dev/shm``, which each rank maps and copies only its shard from.
 An update committed while the weights sleep stays in its file until ``wakeup("weights")``,
-which brings the weights back (from host memory or the model directory) and then applies
-every such file, in order, as ``update_weights`` would have.
+where every rank builds its weights from those files, in commit order, as an agent does
+from weights staged in its own process (``ModelAgent.stage_weights``): from host memory
+or, at level 2, from the files alone, reading from the model directory only the tensors
+they do not hold (and only then is it a reload: a new ``weight_version``).
 A rank that dies, or raises, is a fault: the pending call fails at once with a
 ``WorkerError`` that names the rank (the engine dies of it), and ``run()`` raises it when
 no call was pending.
@@ -194,16 +196,18 @@ class MPExecutor:
         await self._broadcast(Sleep(level))
 
     async def wakeup(self, tag: str) -> bool:
-        reloaded = any(await self._broadcast(Wakeup(tag)))
-        if tag == "weights":
-            while self._staged:  # each file goes once applied: a failure keeps the rest
-                await self._broadcast(UpdateWeights(str(self._staged[0])))
-                remove_weights_dir(self._staged.pop(0))
+        """True when any weight was read from the model directory: none is when the
+        updates staged while the weights slept hold them all (as ``UniExecutor``'s)."""
+        staged = tuple(str(path) for path in self._staged) if tag == "weights" else ()
+        reloaded = any(await self._broadcast(Wakeup(tag, staged)))
+        for path in staged:  # each rank holds what it took of them: the files can go
+            remove_weights_dir(Path(path))
+        del self._staged[: len(staged)]
         return reloaded
 
     async def stage_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Keep checked tensors (the engine checked them) for the next ``wakeup("weights")``:
-        written to ``/dev/shm`` now; the ranks take their shards after that wakeup."""
+        written to ``/dev/shm`` now; the ranks take them at that wakeup."""
         self._staged.append(await anyio.to_thread.run_sync(write_weights_dir, named))
 
     async def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -18,7 +18,7 @@ import torch
 from ..agent.agent import AgentInfo, MemoryStats, ModelAgent
 from ..config import EngineConfig
 from ..core.step import StepBatch, StepResult
-from ..ipc.weights_file import map_weights
+from ..ipc.weights_file import map_weights, read_weights
 from ..models import ModelConfig
 from ..runtime.parallel import ParallelContext, destroy_distributed, init_distributed
 from .base import AgentFactory
@@ -61,7 +61,12 @@ class Sleep:
 
 @dataclass(frozen=True)
 class Wakeup:
+    """``staged``: weights files committed while the weights slept, in commit order; the
+    weights wake from them (as ``ModelAgent.stage_weights`` then ``wakeup`` would), and
+    only what they do not hold is read from the model directory."""
+
     tag: str
+    staged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ class RankWorker:
     """Holds one rank's agent while ``run()`` runs and answers ``handle(command)``.
 
     Replies: ``Execute`` → ``StepResult`` (only rank 0's tokens count); ``Wakeup`` →
-    True when the weights were reloaded from disk; ``GetMemoryStats`` →
+    True when any weight was read from the model directory; ``GetMemoryStats`` →
     ``memory_stats()``; the others → None.
     """
 
@@ -145,7 +150,9 @@ class RankWorker:
                 return result
             case Sleep(level):
                 await agent.sleep(level)
-            case Wakeup(tag):
+            case Wakeup(tag, staged):
+                for path in staged:
+                    await agent.stage_weights(await self._staged(path))
                 return await agent.wakeup(tag)
             case CheckWeights(source):
                 await agent.check_weights(await self._named(source))
@@ -166,6 +173,14 @@ class RankWorker:
         if self.spec.world_size == 1:
             return stats
         return {f"rank{self.spec.rank}:{device}": s for device, s in stats.items()}
+
+    async def _staged(self, path: str) -> list[tuple[str, torch.Tensor]]:
+        """A staged file's tensors: read into this process's memory where they may become
+        the weights themselves (one rank), else mapped (each rank copies its shard)."""
+        if self.spec.world_size == 1:
+            named, _ = await anyio.to_thread.run_sync(read_weights, path)
+            return named
+        return await anyio.to_thread.run_sync(map_weights, path)
 
     async def _named(self, source: WeightsSource) -> list[tuple[str, torch.Tensor]]:
         """The tensors of ``source``; a directory is mapped once for the check and the update.
