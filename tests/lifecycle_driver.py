@@ -547,9 +547,11 @@ def window_problems(scheduler: Any, skip: set[str]) -> list[str]:
 def follower_problems(scheduler: Any, before: dict[str, int]) -> list[str]:
     """With ``n > 1``, sequence ``{id}#i`` (``i > 0``) is admitted only once ``{id}#0`` has
     computed the prompt or ended, so that it reuses the prompt's cached blocks. ``before``:
-    the running sequences' computed tokens after the previous step (a sequence not running
-    then had computed none). A sequence admitted in this step whose unfinished leader had
-    not computed the prompt before it came too early."""
+    the running sequences' computed tokens after the previous step. A leader admitted in
+    this step (again, after a preemption) had computed what its admission found cached
+    (``num_cached_tokens``): a prompt cached whole lets the follower come with it. A
+    sequence admitted in this step whose unfinished leader had not computed the prompt
+    then came too early."""
     problems = []
     for seq in scheduler.running:
         base, sep, index = seq.seq_id.rpartition("#")
@@ -558,7 +560,11 @@ def follower_problems(scheduler: Any, before: dict[str, int]) -> list[str]:
         leader = scheduled(scheduler, f"{base}#0")
         if leader is None or leader.is_finished:
             continue
-        if before.get(leader.seq_id, 0) < leader.num_prompt_tokens:
+        if leader.seq_id in before:
+            computed = before[leader.seq_id]
+        else:
+            computed = leader.num_cached_tokens if leader in scheduler.running else 0
+        if computed < min(leader.num_prompt_tokens, seq.num_prompt_tokens):
             problems.append(f"{seq.seq_id} was admitted before its leader computed the prompt")
     return problems
 

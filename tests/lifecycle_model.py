@@ -32,8 +32,12 @@ def cache_error_text(request_id: str) -> str:
     return f"kv cache not ready for request {request_id!r}: {CACHE_ERROR}"
 
 
-def death_error_text(kind: str) -> str:
-    """The error every request gets when a step raises (``Boom``) or hangs (a timeout)."""
+def death_error_text(kind: str, engine_kind: str = "uni") -> str:
+    """The error every request gets when a step raises (``Boom``) or hangs (a timeout).
+    With the ``mp`` executor the ``Boom`` is raised in the rank's process, and the rank's
+    ``WorkerFailed`` names it."""
+    if kind == "raise" and engine_kind == "mp":
+        return f"{DEATH_ERROR}: workerfailed: rank 0 raised boom: injected"
     if kind == "raise":
         return f"{DEATH_ERROR}: boom: injected"
     return f"{DEATH_ERROR}: steptimeouterror: forward step did not return within step_timeout="

@@ -63,6 +63,7 @@ from tgengine import (
     kernels,
 )
 from tgengine.agent.agent import CPU_KV_CACHE_BYTES
+from tgengine.errors import WorkerFailed
 from tgengine.models.gemm import can_pack_panels
 
 from engine_helpers import engine_threads, hf_greedy, hf_greedy_with_margin, tiny_config
@@ -1363,7 +1364,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.admit(0, MAX_TOKENS, dying=refused)
         for req in self.d.requests:
             if not req.checked:  # even if its consumer has already seen the error
-                req.may_end("error", death_error_text(kind))
+                req.may_end("error", death_error_text(kind, self.kind))
         late = self.d.wait_ended(self.live())  # every request ends at the fault, not later
         try:
             if kind == "hang" and self.kind == "uni":
@@ -1377,7 +1378,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         dead = self.d.run_future.exception(timeout=BOUND)
         assert isinstance(dead, EngineDeadError), dead
         assert all(r.__cause__ is dead.__cause__ for r in refused), (refused, dead)
-        if kind == "raise":
+        if kind == "raise" and self.kind == "mp":  # raised in the rank's process
+            assert isinstance(dead.__cause__, WorkerFailed), dead.__cause__
+            assert str(dead.__cause__) == "rank 0 raised Boom: injected", dead.__cause__
+        elif kind == "raise":
             assert dead.__cause__ is boom
         else:
             assert isinstance(dead.__cause__, TimeoutError), dead.__cause__

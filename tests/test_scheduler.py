@@ -194,6 +194,25 @@ def test_prefix_hit_at_admission_skips_computed_blocks() -> None:
     assert b.block_table[:2] == a.block_table[:2]
 
 
+def test_a_follower_comes_back_with_its_leader_when_the_prompt_is_cached() -> None:
+    """``n > 1``: a follower waits for its leader to compute the prompt. Once both were
+    preempted (``pause("keep")``), the leader's re-admission finds its prompt cached, so
+    the follower comes back in the same step, reusing those blocks."""
+    scheduler = make_scheduler(block_size=4)
+    leader = make_seq("r#0", 8)
+    follower = Sequence(seq_id="r#1", token_ids=list(range(8)), leader=leader)
+    scheduler.add(leader)
+    scheduler.add(follower)
+    assert step(scheduler).seqs == [leader]  # the follower waits for the prompt
+    assert step(scheduler).seqs == [leader, follower]
+    step(scheduler)
+    assert scheduler.preempt_all() == [follower, leader]
+    batch = scheduler.schedule()
+    assert batch.seqs == [leader, follower]
+    assert leader.num_cached_tokens >= leader.num_prompt_tokens
+    assert follower.block_table[:2] == leader.block_table[:2]
+
+
 def test_a_failed_step_computes_nothing_and_caches_no_prefix() -> None:
     scheduler = make_scheduler(num_blocks=8)
     a = make_seq("a", 9)
