@@ -66,6 +66,7 @@ async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) 
     engine.abort("long")
     rest = [first, *[c async for c in long]]
     seen["abort"] = (rest[-1].request_id, rest[-1].finish_reason)
+    seen["ids in use"] = await ids_in_use(engine)
     with pytest.raises(InvalidRequestError, match="prompt"):
         engine.generate([], greedy(1))
     two = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
@@ -100,6 +101,34 @@ async def scenario(engine: EngineClient, named: list[tuple[str, torch.Tensor]]) 
     }
     seen["observed"] = (sorted(recorder.finished), recorder.steps > 0)
     return seen
+
+
+async def ids_in_use(engine: EngineClient) -> list[tuple[str, int, str]]:
+    """Which ids a request may take while others run: a live request's id, or a member
+    id (``{id}#{i}``) of a live ``n > 1`` request, is refused at once (the call raises)."""
+    two = SamplingParams(n=2, max_tokens=100_000, temperature=1.0, seed=3, ignore_eos=True)
+    running = [
+        engine.generate(PROMPTS[0], greedy(100_000), request_id="x#1"),
+        engine.generate(PROMPTS[1], two, request_id="y"),
+    ]
+    for stream in running:
+        await stream.__anext__()
+    outcomes = []
+    for request_id, n in (("x#1", 1), ("x", 2), ("x", 1), ("y", 1), ("y#1", 1), ("y#2", 1)):
+        params = SamplingParams(n=n, max_tokens=1, temperature=1.0, seed=0)
+        try:
+            stream = engine.generate(PROMPTS[2], params, request_id=request_id)
+        except InvalidRequestError as exc:
+            outcomes.append((request_id, n, f"refused: {exc.field}"))
+            continue
+        chunks = [c async for c in stream]
+        outcomes.append((request_id, n, str(chunks[-1].finish_reason)))
+    for request_id in ("x#1", "y"):
+        engine.abort(request_id)
+    for stream in running:
+        async for _ in stream:
+            pass
+    return outcomes
 
 
 class Recorder:
@@ -148,7 +177,15 @@ async def test_same_results_as_in_process(
     assert want["updated"][0] != want["woken"]
     assert want["choice"] in ("yes", "no")
     assert want["n=2 ends"] == [(0, "length"), (1, "length")]
-    assert want["observed"][1] and len(want["observed"][0]) == 10
+    assert want["ids in use"] == [
+        ("x#1", 1, "refused: request_id"),
+        ("x", 2, "refused: request_id"),  # its member x#1 is running
+        ("x", 1, "length"),
+        ("y", 1, "refused: request_id"),
+        ("y#1", 1, "refused: request_id"),  # a member of y
+        ("y#2", 1, "length"),  # y has members #0 and #1 only
+    ]
+    assert want["observed"][1] and len(want["observed"][0]) == 14
     assert client.state is EngineState.STOPPED
     assert child_pids() == before
 

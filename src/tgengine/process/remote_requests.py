@@ -45,14 +45,28 @@ class RemoteRequests:
         key = next(self._keys)
         if request_id is None:
             request_id = f"req-{key}"
-        elif request_id in self._keys_by_id:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        else:
+            members = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else []
+            if any(self._in_use(i) for i in (request_id, *members)):
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         request = RemoteRequest(key, request_id, len(token_ids), send, n=params.n)
         self._by_key[key] = request
         self._keys_by_id[request_id] = key
         self._send(Generate(key, request_id, token_ids, params))
         return RemoteStream(request, receive, self._let_go)
+
+    def _in_use(self, request_id: str) -> bool:
+        """As the engine's own check: a live request's id, or ``{id}#{i}`` of a live
+        request of ``n > 1`` whose sequence ``i`` has not ended."""
+        if request_id in self._keys_by_id:
+            return True
+        stem, _, index = request_id.rpartition("#")
+        key = self._keys_by_id.get(stem)
+        request = self._by_key.get(key) if key is not None else None
+        if request is None or request.n == 1 or not index.isdigit() or str(int(index)) != index:
+            return False
+        return int(index) < request.n and int(index) not in request.ended
 
     def abort(self, request_id: str) -> None:
         """Ask the engine process to abort; the final chunk comes from there."""
