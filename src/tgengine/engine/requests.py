@@ -78,6 +78,12 @@ class Request:
 FinishHook = Callable[[Request], None]
 
 
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's ``n`` sequences: ``{request_id}#{i}`` with ``n > 1``, else
+    the request's own."""
+    return [f"{request_id}#{i}" for i in range(n)] if n > 1 else [request_id]
+
+
 def new_requests(
     request_id: str,
     token_ids: list[int],
@@ -94,13 +100,13 @@ def new_requests(
     n = params.n
     requests: list[Request] = []
     leader: Sequence | None = None
-    for i in range(n):
+    for i, seq_id in enumerate(sequence_ids(request_id, n)):
         seq_params = params
         if n > 1:
             seed = None if params.seed is None else (params.seed + i) % 2**63
             seq_params = replace(params, n=1, seed=seed)
         seq = Sequence(
-            f"{request_id}#{i}" if n > 1 else request_id,
+            seq_id,
             list(token_ids),
             leader=leader,
             reuse_cached_prefix=params.prompt_logprobs is None,

@@ -198,10 +198,10 @@ class MPExecutor:
     async def wakeup(self, tag: str) -> bool:
         """True when any weight was read from the model directory: none is when the
         updates staged while the weights slept hold them all (as ``UniExecutor``'s)."""
-        staged = tuple(str(path) for path in self._staged) if tag == "weights" else ()
-        reloaded = any(await self._broadcast(Wakeup(tag, staged)))
+        staged = list(self._staged) if tag == "weights" else []
+        reloaded = any(await self._broadcast(Wakeup(tag, tuple(map(str, staged)))))
         for path in staged:  # each rank holds what it took of them: the files can go
-            remove_weights_dir(Path(path))
+            remove_weights_dir(path)
         del self._staged[: len(staged)]
         return reloaded
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import anyio
 
+from ..engine.requests import sequence_ids
 from ..errors import (
     EnginePausedError,
     EngineSleepingError,
@@ -45,10 +46,8 @@ class RemoteRequests:
         key = next(self._keys)
         if request_id is None:
             request_id = f"req-{key}"
-        else:
-            members = [f"{request_id}#{i}" for i in range(params.n)] if params.n > 1 else []
-            if any(self._in_use(i) for i in (request_id, *members)):
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        elif any(self._in_use(i) for i in {request_id, *sequence_ids(request_id, params.n)}):
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         request = RemoteRequest(key, request_id, len(token_ids), send, n=params.n)
         self._by_key[key] = request
@@ -57,16 +56,17 @@ class RemoteRequests:
         return RemoteStream(request, receive, self._let_go)
 
     def _in_use(self, request_id: str) -> bool:
-        """As the engine's own check: a live request's id, or ``{id}#{i}`` of a live
-        request of ``n > 1`` whose sequence ``i`` has not ended."""
+        """As the engine's own check: a live request's id, or the id of a live request's
+        sequence that has not ended (``sequence_ids``)."""
         if request_id in self._keys_by_id:
             return True
-        stem, _, index = request_id.rpartition("#")
+        stem = request_id.rpartition("#")[0]
         key = self._keys_by_id.get(stem)
         request = self._by_key.get(key) if key is not None else None
-        if request is None or request.n == 1 or not index.isdigit() or str(int(index)) != index:
+        if request is None:
             return False
-        return int(index) < request.n and int(index) not in request.ended
+        ids = sequence_ids(stem, request.n)
+        return request_id in ids and ids.index(request_id) not in request.ended
 
     def abort(self, request_id: str) -> None:
         """Ask the engine process to abort; the final chunk comes from there."""
