@@ -302,15 +302,17 @@ def test_step_splits_each_kind_of_step_into_parts_that_sum_to_it(
 def test_weights(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_bench("weights", tiny_llama_dir, tmp_path, capsys=capsys)
     paths = [r["path"] for r in result["rows"]]
-    assert paths[:2] == ["memcpy (the limit)", "memcpy into new memory"] and len(paths) == 13
+    assert paths[:2] == ["memcpy (the limit)", "memcpy into new memory"] and len(paths) == 15
     assert any(p.startswith("asleep (level 2)") for p in paths)
     # from another process: ProcessEngine (dir, parts, asleep), HTTP to either engine
     assert sum(p.startswith("ProcessEngine") for p in paths) == 3
     http = [r for r in result["rows"] if r["path"].startswith("HTTP from another process")]
-    # to either engine: each part as the body, then each part's path in /dev/shm
-    assert len(http) == 4 and all(r["sender_peak_rss_over_bytes"] is not None for r in http)
+    # to either engine: each part as the body, each part's path in /dev/shm, read before
+    # the answer or held until the commit
+    assert len(http) == 6 and all(r["sender_peak_rss_over_bytes"] is not None for r in http)
     assert sum("paths in /dev/shm" in r["path"] for r in http) == 2
-    assert all(r["relay_peak_rss_over_bytes"] is not None for r in http[2:])  # the server
+    assert sum("paths held until the commit" in r["path"] for r in http) == 2
+    assert all(r["relay_peak_rss_over_bytes"] is not None for r in http[3:])  # the server
     assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in result["rows"])
     assert all((r["peak_rss_over_bytes"] or 0) >= 0 for r in result["rows"])
     # the whole model, once (packed weights' placeholders add a few bytes to the resident)

@@ -1,13 +1,16 @@
-"""A trainer in another process, for ``bench weights``: a full update pushed over HTTP.
+"""A trainer in another process, for ``bench weights``: full updates pushed over HTTP.
 
 ``python -m tgengine.bench.weights_client SPEC.json`` reads the model's tensors (the
-trainer's weights, held in memory before the clock starts), then times one update in parts:
-open it, send each part as a safetensors body, commit. It prints one JSON line: ``seconds``,
-``peak_rss_over_bytes`` (its peak RSS over the update, above the RSS with the weights
-loaded: ``peak_rss``) and ``weight_version`` after the commit. Each body is streamed from
-the tensors' own memory (``safetensors_pieces``), as a trainer would send them; with
-``"shared": true`` in the spec each part is written to one file in /dev/shm instead (written
-over by the next) and its path posted to ``parts/shared``.
+trainer's weights, held in memory before the clock starts), then times ``updates`` updates
+in parts one after the other, as a trainer in a loop pushes them: open one, send each part
+as a safetensors body, commit. It prints one JSON line: ``seconds`` (the fastest update),
+``all_seconds``, ``peak_rss_over_bytes`` (its peak RSS over the updates, above the RSS with
+the weights loaded: ``peak_rss``) and ``weight_version`` after the last commit. Each body is
+streamed from the tensors' own memory (``safetensors_pieces``), as a trainer would send
+them; with ``"shared": true`` in the spec each part is written to one file in /dev/shm
+instead (written over by the next) and its path posted to ``parts/shared``; with ``"hold":
+true`` as well, each part to a file of its own, which the engine maps and holds until the
+commit (the next update writes over the same files).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 PIECE_BYTES = 4 * 1024 * 1024
@@ -53,54 +57,64 @@ async def push(spec: dict[str, Any]) -> dict[str, Any]:
     import anyio
     import httpx
 
-    from ..ipc.weights_file import (
-        FILE_NAME,
-        new_weights_dir,
-        remove_weights_dir,
-        safetensors_pieces,
-        write_weights_file,
-    )
+    from ..ipc.weights_file import new_weights_dir, remove_weights_dir
     from .peak_rss import PeakRSS
 
     parts = await anyio.to_thread.run_sync(_load, spec)
     headers = {"Authorization": f"Bearer {spec['admin_key']}"}
     rss = PeakRSS({"client": os.getpid()})
 
+    hold = bool(spec.get("hold"))
+    seconds: list[float] = []
     async with httpx.AsyncClient(base_url=spec["url"], headers=headers, timeout=600) as http:
-        async with rss.watching():
-            start = time.perf_counter()
-            opened = await http.post("/weights/updates")
-            opened.raise_for_status()
-            update = opened.json()["id"]
-            shared = await anyio.to_thread.run_sync(new_weights_dir) if spec["shared"] else None
-            try:
-                for part in parts:
-                    if shared is not None:  # written to /dev/shm here, its path posted
-                        file = shared / FILE_NAME
-                        await anyio.to_thread.run_sync(write_weights_file, part.items(), file)
-                        sent = await http.post(
-                            f"/weights/updates/{update}/parts/shared", json={"path": str(file)}
-                        )
-                    else:  # the body streamed from the tensors' own memory: no serialized copy
-                        size, pieces = safetensors_pieces(part.items(), PIECE_BYTES)
-                        sent = await http.post(
-                            f"/weights/updates/{update}/parts",
-                            content=_bytes(pieces),
-                            headers={"Content-Length": str(size)},
-                        )
-                    sent.raise_for_status()
-            finally:
-                if shared is not None:
-                    remove_weights_dir(shared)
-            committed = await http.post(f"/weights/updates/{update}/commit")
-            committed.raise_for_status()
-            seconds = time.perf_counter() - start
+        shared = await anyio.to_thread.run_sync(new_weights_dir) if spec["shared"] else None
+        try:
+            async with rss.watching():
+                for _ in range(spec.get("updates", 1)):
+                    start = time.perf_counter()
+                    version = await _update(http, parts, shared, hold)
+                    seconds.append(time.perf_counter() - start)
+        finally:
+            if shared is not None:
+                remove_weights_dir(shared)
     return {
-        "seconds": seconds,
+        "seconds": min(seconds),
+        "all_seconds": seconds,
         "peak_rss_over_bytes": rss.peaks()["client"],
-        "weight_version": committed.json()["weight_version"],
+        "weight_version": version,
         "num_parts": len(parts),
     }
+
+
+async def _update(http: Any, parts: list[dict[str, Any]], shared: Path | None, hold: bool) -> int:
+    """One update: open it, send every part, commit; the engine's version then. A part
+    posted by path is written to ``shared`` first (``hold``: a file of its own, written
+    over by the next update's same part, as a trainer in a loop would)."""
+    import anyio
+
+    from ..ipc.weights_file import FILE_NAME, safetensors_pieces, write_weights_file
+
+    opened = await http.post("/weights/updates")
+    opened.raise_for_status()
+    update = opened.json()["id"]
+    for i, part in enumerate(parts):
+        if shared is not None:  # written to /dev/shm here, its path posted
+            file = shared / (f"part-{i}.safetensors" if hold else FILE_NAME)
+            await anyio.to_thread.run_sync(write_weights_file, part.items(), file)
+            sent = await http.post(
+                f"/weights/updates/{update}/parts/shared", json={"path": str(file), "hold": hold}
+            )
+        else:  # the body streamed from the tensors' own memory: no serialized copy
+            size, pieces = safetensors_pieces(part.items(), PIECE_BYTES)
+            sent = await http.post(
+                f"/weights/updates/{update}/parts",
+                content=_bytes(pieces),
+                headers={"Content-Length": str(size)},
+            )
+        sent.raise_for_status()
+    committed = await http.post(f"/weights/updates/{update}/commit")
+    committed.raise_for_status()
+    return int(committed.json()["weight_version"])
 
 
 def main(argv: list[str] | None = None) -> int:

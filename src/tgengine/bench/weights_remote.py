@@ -147,9 +147,10 @@ async def process_engine_rows(
 async def http_rows(
     setup: BenchSetup, named: Named, part_bytes: int, repeats: int, *, engine_process: bool
 ) -> list[dict[str, Any]]:
-    """A client process pushes the update over HTTP to a server in this process, whose
-    engine runs here (``engine_process`` False) or in an engine process of its own: each
-    part as the body, then (another update) each part's path in /dev/shm."""
+    """A client process pushes updates over HTTP to a server in this process, whose
+    engine runs here (``engine_process`` False) or in an engine process of its own:
+    ``repeats`` updates in a row each way (the fastest counts), each part as the body, then
+    each part's path in /dev/shm (read before the answer), then held until the commit."""
     config = engine_config(setup)
     engine: EngineClient = ProcessEngine(config) if engine_process else Engine(config)
     server = Server(engine, ServerConfig(port=0, admin_key=ADMIN_KEY))
@@ -166,16 +167,15 @@ async def http_rows(
             "part_bytes": part_bytes,
         }
         ways = {}
-        for shared in (False, True):
-            ways[shared] = [
-                await _http_once({**spec, "shared": shared}, engine, engine_process)
-                for _ in range(repeats)
-            ]
+        for shared, hold in ((False, False), (True, False), (True, True)):
+            # one client, ``repeats`` updates in a row (a trainer's loop): the fastest counts
+            way = {**spec, "shared": shared, "hold": hold, "updates": repeats}
+            ways[shared, hold] = [await _http_once(way, engine, engine_process)]
         tg.cancel_scope.cancel()
     where = "an engine process" if engine_process else "the server's process"
     rows = []
-    for shared, runs in ways.items():
-        how = "paths in /dev/shm" if shared else "parts"
+    for (shared, hold), runs in ways.items():
+        how = "paths held until the commit" if hold else "paths in /dev/shm" if shared else "parts"
         name = f"HTTP from another process, engine in {where}: {runs[0][2]['num_parts']} {how}"
         seconds = min(r[2]["seconds"] for r in runs)
         for _, peaks, result in runs:

@@ -360,10 +360,16 @@ class Engine:
             raise InvalidRequestError("kept_kv", reason)
         return str(self._state)
 
-    async def _commit(self, named: Named, kept_kv: KeptKV, absorbed: list[str]) -> None:
+    async def _commit(
+        self, named: Named, kept_kv: KeptKV, absorbed: list[str], held: set[str]
+    ) -> None:
+        """``held``: names whose tensors are views of a file the update holds only until
+        it ends; kept for a wakeup, they are copied first."""
         async with self._control_lock:
             self._check_update(kept_kv)
             stage = "weights" in self._sleeping_tags  # _check_update: the executor stages
+            if stage and held:
+                named = await anyio.to_thread.run_sync(_owned, named, held)
             await self._loop.apply_weights(
                 named, stage=stage, recompute=kept_kv == "recompute", absorbed=absorbed
             )
@@ -458,3 +464,8 @@ class _ExecutorAbsorber:
 
     async def drop(self) -> None:
         await self._executor.drop_absorbed()
+
+
+def _owned(named: Named, held: set[str]) -> Named:
+    """``named`` with the tensors of ``held`` names copied (blocking)."""
+    return [(name, t.clone() if name in held else t) for name, t in named]

@@ -19,7 +19,7 @@ import torch
 
 from ..agent.weight_checks import WeightSpecs, check_finite, check_named
 from ..errors import IllegalStateError, InvalidRequestError
-from ..ipc.weights_file import read_weights, view_weights
+from ..ipc.weights_file import HeldFile, hold_weights, read_weights, view_weights
 from ..models import iter_safetensors
 from ..runtime import huge_pages
 
@@ -79,6 +79,15 @@ def view_part(buffer: memoryview) -> Named:
         raise InvalidRequestError("weights", f"not a safetensors file: {exc}") from exc
 
 
+def hold_part(path: str) -> tuple[Named, HeldFile]:
+    """The tensors of a pushed safetensors file, as views of it, mapped, and the file held
+    (blocking); ``InvalidRequestError`` for a file that is not one."""
+    try:
+        return hold_weights(path)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError("weights", f"not a safetensors file: {exc}") from exc
+
+
 def read_part(path: str, buffer: torch.Tensor | None) -> tuple[Named, torch.Tensor]:
     """The tensors of a pushed safetensors file, read into ``buffer`` or a new one
     (blocking); ``InvalidRequestError`` for a file that is not one."""
@@ -118,7 +127,7 @@ class WeightUpdate:
         kept_kv: KeptKV,
         slot: UpdateSlot,
         check: Callable[[KeptKV], str],
-        commit: Callable[[Named, KeptKV, list[str]], Awaitable[None]],
+        commit: Callable[[Named, KeptKV, list[str], set[str]], Awaitable[None]],
         absorber: Absorber | None = None,
     ) -> None:
         if kept_kv not in ("recompute", "reuse"):
@@ -131,6 +140,8 @@ class WeightUpdate:
         self._absorber = absorber
         self._absorbed: set[str] = set()  # names the executor packed as their parts came
         self._spare: torch.Tensor | None = None  # a part's memory, free for the next one
+        self._held: list[HeldFile] = []  # files whose mapped tensors are staged as they are
+        self._held_names: set[str] = set()  # the names staged as views of those files
         self._absorbing = False  # a part was offered to the absorber: drop it if abandoned
         self._phase = _Phase.NEW
         self._lock = anyio.Lock()  # pushes stage one at a time
@@ -163,11 +174,14 @@ class WeightUpdate:
     ) -> None:
         staged, self._staged = self._staged, {}
         absorbed, self._absorbed = sorted(self._absorbed), set()
+        held, self._held = self._held, []
+        held_names, self._held_names = self._held_names & staged.keys(), set()
         self._spare = None
         try:
             if exc_type is None:
                 self._phase = _Phase.COMMITTED
-                await self._commit(list(staged.items()), self.kept_kv, absorbed)
+                _check_unchanged(held)
+                await self._commit(list(staged.items()), self.kept_kv, absorbed, held_names)
         except BaseException:
             self._phase = _Phase.ABANDONED
             raise
@@ -178,6 +192,8 @@ class WeightUpdate:
                 with anyio.CancelScope(shield=True):  # after a push still packing, if any
                     await self._absorber.drop()
             staged.clear()
+            for file in held:
+                file.close()
             self._slot.let_go(self)
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -188,13 +204,33 @@ class WeightUpdate:
         """
         await self._stage(named, copy=True)
 
-    async def push_file(self, path: str | Path) -> None:
+    async def push_file(self, path: str | Path, *, hold: bool = False) -> None:
         """Check and stage the tensors of one safetensors file, as ``push`` does, read into
         memory of the update's own: the file may be rewritten or removed once this returns.
         The tensors are staged as views of that memory (one copy of what was pushed, until
         the commit), or, while the weights sleep at level 2, packed into the weights at once
         (then the memory serves the next part). A file that is not safetensors raises
-        ``InvalidRequestError``."""
+        ``InvalidRequestError``.
+
+        ``hold=True``: the file is mapped, not read, and its tensors are staged as views of
+        it, so that in ``/dev/shm`` the file's own pages are the one copy of what was pushed:
+        the writer must leave it as it is until the update ends (it may remove it). A file
+        written meanwhile (its size or modification time changed) fails the commit with
+        ``InvalidRequestError``, and nothing applies. Staged by the executor for a wakeup,
+        held tensors are copied at the commit."""
+        if hold:
+            named, file = await anyio.to_thread.run_sync(hold_part, str(path))
+            try:
+                names = [name for name, _ in named]
+                if await self._stage(named, copy=False):
+                    self._held.append(file)
+                    self._held_names.update(n for n in names if n in self._staged)
+                    return
+            except BaseException:
+                file.close()
+                raise
+            file.close()
+            return
         spare, self._spare = self._spare, None
         named, buffer = await anyio.to_thread.run_sync(read_part, str(path), spare)
         if not await self._stage(named, copy=False):
@@ -248,6 +284,7 @@ class WeightUpdate:
                 for name in taken:
                     self._staged.pop(name, None)  # pushed before, the plain way: replaced
                 self._absorbed |= taken
+                self._held_names -= taken | staged.keys()  # replaced, if held before
                 self._staged.update(staged)
         return not copy
 
@@ -263,3 +300,11 @@ class WeightUpdate:
                 staged[name] = t.to(self._device, dtype, copy=copy).contiguous()
             check_finite(name, staged[name])
         return staged
+
+
+def _check_unchanged(held: list[HeldFile]) -> None:
+    """``InvalidRequestError`` if a held file was written after it was pushed."""
+    for file in held:
+        if file.changed():
+            reason = f"{file.path} was written after it was pushed (held until the commit)"
+            raise InvalidRequestError("weights", reason)

@@ -18,6 +18,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 
 from ..models.safetensors_reader import (
     StoredTensor,
+    file_header_length,
     header_length,
     header_tensors,
     stored_tensors,
@@ -180,6 +182,54 @@ def map_weights(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     with open(file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     return _views(mapped, stored)
+
+
+@dataclass
+class HeldFile:
+    """A file whose mapped tensors are in use (``hold_weights``): its descriptor stays
+    open, so it may be removed meanwhile, and ``changed()`` says whether it was written
+    since it was mapped. ``close()`` once its tensors are no longer needed as they are."""
+
+    path: str
+    fd: int
+    size: int
+    mtime_ns: int
+
+    def changed(self) -> bool:
+        stat = os.fstat(self.fd)
+        return (stat.st_size, stat.st_mtime_ns) != (self.size, self.mtime_ns)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def hold_weights(path: str | Path) -> tuple[list[tuple[str, torch.Tensor]], HeldFile]:
+    """``map_weights``, and the file held (``HeldFile``): nothing is read into this
+    process's memory; on tmpfs the tensors are views of the file's own pages, as long as
+    the writer leaves it as it is. Blocking; ``ValueError`` and ``OSError`` as
+    ``map_weights``."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / FILE_NAME
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        stat = os.fstat(fd)
+        held = HeldFile(str(path), fd, stat.st_size, stat.st_mtime_ns)
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            length = file_header_length(f.read(8), stat.st_size)
+            header = f.read(length)
+        try:
+            stored = list(header_tensors(file, length, header, stat.st_size))
+        except (KeyError, TypeError, AttributeError, struct.error) as exc:
+            raise ValueError(f"not a safetensors header: {type(exc).__name__}: {exc}") from exc
+        if not stored:
+            return [], held
+        return _views(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY), stored), held
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_weights(

@@ -136,8 +136,14 @@ def stored_tensors(file: Path) -> Iterator[StoredTensor]:
 
 def header_length(data: memoryview) -> int:
     """The header length a safetensors buffer starts with (``ValueError`` if implausible)."""
-    (length,) = struct.unpack("<Q", data[:8].tobytes().ljust(8, b"\0"))
-    if not 0 < length <= min(_MAX_HEADER, len(data) - 8):
+    return file_header_length(data[:8].tobytes(), len(data))
+
+
+def file_header_length(head: bytes, size: int) -> int:
+    """The header length in ``head``, the first 8 bytes of a safetensors file of ``size``
+    bytes (``ValueError`` if implausible)."""
+    (length,) = struct.unpack("<Q", head[:8].ljust(8, b"\0"))
+    if not 0 < length <= min(_MAX_HEADER, size - 8):
         raise ValueError(f"header length {length} is not plausible")
     return int(length)
 

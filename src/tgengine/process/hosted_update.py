@@ -34,8 +34,8 @@ class HostedUpdates:
                 update = self._engine.weight_update(kept_kv=kept_kv)
                 await update.__aenter__()  # refused: a second update, or the state forbids
                 self._open = (update_id, update)
-            case UpdatePart(update_id, path):
-                await self._get(update_id).push_file(path)
+            case UpdatePart(update_id, path, hold):
+                await self._get(update_id).push_file(path, hold=hold)
             case UpdateCommit(update_id):
                 update = self._get(update_id)
                 self._open = None  # a late part of it is refused from now on

@@ -86,10 +86,11 @@ class UpdateBegin:
 @dataclass(frozen=True)
 class UpdatePart:
     """Push the tensors of the safetensors file at ``path`` (in ``/dev/shm``; the sender
-    removes it once answered) into the open update."""
+    removes it once answered, or, ``hold``, once the update ended) into the open update."""
 
     update_id: int
     path: str
+    hold: bool = False
 
 
 @dataclass(frozen=True)

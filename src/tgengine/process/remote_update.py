@@ -115,11 +115,13 @@ class RemoteWeightUpdate:
         # or a cancellation midway, when it may be reading it still) the next part takes a
         # new file
 
-    async def push_file(self, path: str | Path) -> None:
+    async def push_file(self, path: str | Path, *, hold: bool = False) -> None:
         """Push the tensors of a safetensors file (or a directory's ``model.safetensors``)
-        that the engine process can read; the caller removes it once this returns."""
+        that the engine process can read; the caller removes it once this returns, or, with
+        ``hold``, leaves it as it is until the update ended (``Engine``'s ``push_file``)."""
         self._check_open()
-        await self._call("push a weight part", UpdatePart(self.update_id, str(path)))
+        part = UpdatePart(self.update_id, str(path), hold)
+        await self._call("push a weight part", part)
         self.num_parts += 1
 
     def _check_open(self) -> None:

@@ -64,6 +64,9 @@ class WeightUpdateResponse(BaseModel):
 
 class SharedPart(BaseModel):
     path: str  # a safetensors file in /dev/shm that the server's user may read
+    # false: read before the answer (the file is the client's again); true: mapped and held
+    # until the update ends (the client leaves it as it is until then; it may remove it)
+    hold: bool = False
 
 
 def is_part_path(path: str) -> bool:
@@ -167,14 +170,17 @@ def weight_router(ctx: ServerContext, uploads: WeightUploads) -> APIRouter:
     async def shared_part(update_id: str, body: SharedPart) -> WeightUpdateResponse:
         """Check and stage one part that the client wrote to a safetensors file in
         ``/dev/shm`` (same host): read once before the answer; the file stays the client's
-        (to write the next part over, or remove)."""
+        (to write the next part over, or remove). With ``"hold": true`` the engine maps it
+        instead and holds it until the commit's or the abort's answer: the client writes
+        each part to a file of its own and leaves them as they are until then (removing them
+        is fine); one written meanwhile fails the commit (400), and nothing applies."""
         upload = uploads.get(update_id)
         uploads.check_open(upload)
         file, size = await anyio.to_thread.run_sync(_shared_file, body.path)
         if size > limit:
             message = f"a part is larger than the limit of {limit} bytes"
             raise APIError(413, message, code="request_too_large")
-        await uploads.push(upload, file, size)
+        await uploads.push(upload, file, size, hold=body.hold)
         return answer(upload)
 
     @router.post(

@@ -122,11 +122,12 @@ class WeightUploads:
         """A block while a part's body arrives: the update does not time out meanwhile."""
         return _Receiving(self, upload)
 
-    async def push(self, upload: Upload, path: Path, nbytes: int) -> None:
-        """Push the part in the safetensors file ``path`` (the caller removes it)."""
+    async def push(self, upload: Upload, path: Path, nbytes: int, *, hold: bool = False) -> None:
+        """Push the part in the safetensors file ``path`` (the caller removes it; ``hold``:
+        the engine maps it and holds it until the update ends)."""
         self.check_open(upload)
         with self.receiving(upload):
-            await upload.update.push_file(path)
+            await upload.update.push_file(path, hold=hold)
         upload.num_parts += 1
         upload.num_bytes += nbytes
 
