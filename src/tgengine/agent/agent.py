@@ -114,7 +114,6 @@ class ModelAgent:
         self._generators: dict[str, torch.Generator] = {}
         self._idle = threading.Event()
         self._idle.set()
-        self._limiter: anyio.CapacityLimiter | None = None
         self._compute = ComputeThread()  # every call's torch work, on one OS thread
 
     async def run(
@@ -126,7 +125,6 @@ class ModelAgent:
         scope with a deadline, once any in-flight step has returned, or after
         ``step_timeout`` if it is wedged: its thread then frees what it holds when it returns.
         """
-        self._limiter = anyio.CapacityLimiter(1)
         try:
             info = await self._in_thread(self._load)
             task_status.started(info)
@@ -137,12 +135,14 @@ class ModelAgent:
                 # A step still in flight finishes first, unless it is wedged (step_timeout).
                 wait = min(self.config.step_timeout or CLEANUP_TIMEOUT, CLEANUP_TIMEOUT)
                 idle = await anyio.to_thread.run_sync(self._idle.wait, wait)
-                # A wedged step's thread holds the limiter under trio until it returns (asyncio
-                # lets go of it at once). Dropping our references beside it is safe: it keeps
-                # its own, and what they hold is freed when it returns.
-                limiter = self._limiter if idle else None
+                # Idle: on the compute thread, after any call queued there. Wedged: beside
+                # it; dropping our references is safe then: the step keeps its own, and what
+                # they hold is freed when it returns.
                 try:
-                    await anyio.to_thread.run_sync(self._release_all, limiter=limiter)
+                    if idle and not self._compute.closed:
+                        await self._compute.run(self._release_all, abandon=True)
+                    else:
+                        await anyio.to_thread.run_sync(self._release_all)
                 except Exception:  # never hide the error that brought us here
                     log.exception("releasing model memory failed")
                 finally:
@@ -223,9 +223,7 @@ class ModelAgent:
     # -- worker-thread side ---------------------------------------------------------
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any, abandon: bool = False) -> T:
-        return await anyio.to_thread.run_sync(
-            self._compute.call, fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
-        )
+        return await self._compute.run(fn, *args, abandon=abandon)
 
     def prepare(self) -> None:
         """Read the model's config and set torch's thread count (blocking; once).

@@ -1,20 +1,27 @@
 """``ComputeThread``: the one OS thread that runs all of an agent's torch work.
 
-The agent's blocking calls (load, forward and sampling, sleep, wakeup, updates) reach it
-through ``anyio.to_thread.run_sync``, whose worker threads come and go; each thread that
-starts an OpenMP parallel region keeps a team of OpenMP threads, and once libgomp manages
-more of them than there are cores its barriers barely spin (``runtime.openmp_policy``): a
-one-sequence decode step ran 2x slower at 2 threads. So each call is handed on to this
-thread, and the anyio worker only waits for it: cancelling (``abandon_on_cancel``) still
-abandons the wait, and the call finishes here on its own.
+The agent's blocking calls (load, forward and sampling, sleep, wakeup, updates) run here,
+not in ``anyio.to_thread``'s worker threads, which come and go: each thread that starts an
+OpenMP parallel region keeps a team of OpenMP threads, and once libgomp manages more of them
+than there are cores its barriers barely spin (``runtime.openmp_policy``): a one-sequence
+decode step ran 2x slower at 2 threads. The event loop awaits a call (``run``) without a
+worker thread between: the compute thread tells the loop itself when the call returned, as
+anyio's workers do (``call_soon_threadsafe`` / ``run_sync_soon``). A worker in between cost
+two more thread wake-ups a step: 0.47 ms of a 10.3 ms one-sequence decode step on the 2-core
+machine of docs/benchmarks.md. Cancelling ``run`` with ``abandon`` abandons the wait, and the
+call finishes here on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+
+import anyio
+import anyio.lowlevel
 
 T = TypeVar("T")
 
@@ -39,6 +46,23 @@ class ComputeThread:
             return fn(*args)
         return self._pool.submit(fn, *args).result()
 
+    async def run(self, fn: Callable[..., T], *args: Any, abandon: bool = False) -> T:
+        """``fn(*args)`` on the compute thread, awaited: the event loop runs on meanwhile.
+
+        Cancelled, it waits for the call to return (shielded), or with ``abandon`` returns at
+        once and leaves the call to finish on its own. ``RuntimeError`` once closed."""
+        done = anyio.Event()
+        notify = _notifier(anyio.lowlevel.current_token(), done.set)
+        future = self._pool.submit(_call_then, notify, fn, *args)
+        try:
+            await done.wait()
+        except BaseException:
+            if not abandon:
+                with anyio.CancelScope(shield=True):
+                    await done.wait()
+            raise
+        return future.result()
+
     def close(self, timeout: float = 0.0) -> bool:
         """No more calls; the thread ends once the call in flight (if any) returns. Waits up
         to ``timeout`` seconds for that (blocking); returns whether the thread has ended."""
@@ -49,3 +73,37 @@ class ComputeThread:
             return True
         thread.join(timeout)
         return not thread.is_alive()
+
+
+def _call_then(notify: Callable[[], None], fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    finally:
+        notify()
+
+
+def _notifier(token: anyio.lowlevel.EventLoopToken, fn: Callable[[], None]) -> Callable[[], None]:
+    """A callable for another thread that has the event loop of ``token`` call ``fn`` soon,
+    without waiting for it; nothing once that loop has ended (nobody waits then)."""
+    native = token.native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        loop = native
+
+        def notify() -> None:
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # the loop is closed: nobody waits for the call
+                return
+
+        return notify
+    import trio  # the one other backend anyio runs on
+
+    trio_token = cast(trio.lowlevel.TrioToken, native)
+
+    def notify_trio() -> None:
+        try:
+            trio_token.run_sync_soon(fn)
+        except trio.RunFinishedError:  # the run has ended: nobody waits for the call
+            return
+
+    return notify_trio
