@@ -6,9 +6,10 @@ OpenMP parallel region keeps a team of OpenMP threads, and once libgomp manages 
 than there are cores its barriers barely spin (``runtime.openmp_policy``): a one-sequence
 decode step ran 2x slower at 2 threads. The event loop awaits a call (``run``) without a
 worker thread between: the compute thread tells the loop itself when the call returned, as
-anyio's workers do (``call_soon_threadsafe`` / ``run_sync_soon``). A worker in between cost
-two more thread wake-ups a step: 0.47 ms of a 10.3 ms one-sequence decode step on the 2-core
-machine of docs/benchmarks.md. Cancelling ``run`` with ``abandon`` abandons the wait, and the
+anyio's workers do (``call_soon_threadsafe`` / ``run_sync_soon``): two thread wake-ups a
+step instead of four. On the 2-core Zen 4 VM of docs/benchmarks.md the way there and back
+took 0.43 ms of a 10.2 ms one-sequence decode step (0.47 with a worker between: most of it
+is that VM's wake-up latency). Cancelling ``run`` with ``abandon`` abandons the wait, and the
 call finishes here on its own.
 """
 
