@@ -214,10 +214,12 @@ class WeightUpdate:
 
         ``hold=True``: the file is mapped, not read, and its tensors are staged as views of
         it, so that in ``/dev/shm`` the file's own pages are the one copy of what was pushed:
-        the writer must leave it as it is until the update ends (it may remove it). A file
-        written meanwhile (its size or modification time changed) fails the commit with
-        ``InvalidRequestError``, and nothing applies. Staged by the executor for a wakeup,
-        held tensors are copied at the commit."""
+        the writer must leave it as it is until the update ends (it may remove it, or
+        replace it by a rename: the update holds the file it mapped). A file written in place
+        meanwhile fails the commit with ``InvalidRequestError``, and nothing applies: seen by
+        its size or modification time, so a write within one tick of the file system's clock
+        (a few ms on tmpfs) after the push may go unseen; the check is a net, not a lock.
+        Staged by the executor for a wakeup, held tensors are copied at the commit."""
         if hold:
             named, file = await anyio.to_thread.run_sync(hold_part, str(path))
             try:
