@@ -64,6 +64,12 @@ from tgengine import (
 )
 from tgengine.agent.agent import CPU_KV_CACHE_BYTES
 from tgengine.errors import WorkerFailed
+from tgengine.ipc.weights_file import (
+    map_weights,
+    new_weights_dir,
+    remove_weights_dir,
+    write_weights_file,
+)
 from tgengine.models.gemm import can_pack_panels
 
 from engine_helpers import engine_threads, hf_greedy, hf_greedy_with_margin, tiny_config
@@ -1008,13 +1014,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         weights=st.sampled_from(["A", "B", "bad part"]),
         num_parts=st.integers(1, 3),
         end=st.sampled_from(["commit", "raise", "cancel"]),
+        held=st.booleans(),
     )
-    def update_in_parts(self, weights: str, num_parts: int, end: str) -> None:
+    def update_in_parts(self, weights: str, num_parts: int, end: str, held: bool) -> None:
         """``weight_update()``: the weights pushed in ``num_parts`` parts; the block ends
         cleanly (everything applies at once), raises or is cancelled (nothing applies), or
         a part is invalid (refused naming its tensor, nothing applies). A second update
         while this one is open is refused; a committed one cannot be entered again.
-        (ProcessEngine: each part through shared memory, the block's end as a message.)"""
+        (ProcessEngine: each part through shared memory, the block's end as a message.)
+        ``held``: each part written to a file of its own in /dev/shm and pushed by path,
+        held (mapped until the update ends); once it ended the files are written over with
+        the other weights, as a trainer's next update would: what applied must not change,
+        nor what waits for a wakeup."""
         named = self.weights["A" if weights == "bad part" else weights]
         size = -(-len(named) // num_parts)
         parts = [named[i : i + size] for i in range(0, len(named), size)]
@@ -1022,14 +1033,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         want = trial.update_weights(None if weights == "bad part" else weights)
         second: list[Any] = []
         entered: list[Any] = []
+        shared = new_weights_dir() if held else None
+        files = [shared / f"part-{i}.safetensors" for i in range(len(parts))] if shared else []
 
         async def update() -> None:
             engine = self.d.engine
             with anyio.CancelScope() as scope:
                 async with engine.weight_update() as u:
                     entered.append(u)
-                    for part in parts:
-                        await u.push(part)
+                    for i, part in enumerate(parts):
+                        if held:
+                            write_weights_file(part, files[i])
+                            await u.push_file(files[i], hold=True)
+                        else:
+                            await u.push(part)
                     try:
                         async with engine.weight_update():
                             pass
@@ -1043,7 +1060,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                         scope.cancel()
                         await anyio.lowlevel.checkpoint()
 
-        _, error = self.control(update)
+        try:
+            _, error = self.control(update)
+            other = self.weights["B" if weights == "A" else "A"]
+            for file in [f for f in files if f.exists()]:  # the trainer's next update,
+                names = {n for n, _ in map_weights(file)}  # written over the same files
+                write_weights_file([(n, t) for n, t in other if n in names], file)
+        finally:
+            if shared is not None:
+                remove_weights_dir(shared)
         if want in (IllegalStateError, EngineSleepingError):  # refused when entered
             assert type(error) is want and not entered, (error, want)
             return

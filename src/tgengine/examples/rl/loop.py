@@ -29,7 +29,6 @@ from typing import Any
 import anyio
 
 from ...engine.client import EngineClient
-from ...engine.engine import Engine
 from ...errors import EngineDeadError
 from ...sampling import SamplingParams
 from ...state import EngineState
@@ -261,11 +260,7 @@ def _first(group: BaseExceptionGroup[Any]) -> BaseException:
 async def push_weights(engine: EngineClient, named: Sequence[tuple[str, Any]]) -> None:
     """Push the trainer's tensors, in parts: one a decoder layer, through
     ``engine.weight_update()`` (each part checked as it arrives, all applied at once at the
-    end of the block). An engine in another process takes one ``update_weights`` of them
-    all: its ``weight_update()`` is not there yet (issue 32's remote parts)."""
-    if not isinstance(engine, Engine):
-        await engine.update_weights(named)
-        return
+    end of the block; for an engine in another process each part crosses /dev/shm)."""
     async with engine.weight_update() as update:
         for part in layer_parts(named):
             await update.push(part)
