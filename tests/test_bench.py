@@ -338,6 +338,18 @@ def test_threads_compares_the_default_count_with_fixed_ones_over_fresh_starts(
     assert rows[1]["threads"] == 1
     assert all(r["threads"] >= 1 and r["out_tok_s"] > 0 and r["tokens"] > 0 for r in rows)
     assert len({r["tokens"] for r in rows}) == 1, "every start serves the same workload"
+    # a default start keeps what its probe measured: each candidate count's GFLOP/s, and the
+    # count it picked is the fastest of them (no probe where there is one core)
+    from tgengine.agent.cpu_threads import available_cores
+
+    for row in (r for r in rows if r["mode"] == "default"):
+        probe = row["probe_gflops"]
+        if available_cores() > 1:
+            assert set(probe) == {str(n) for n in range(1, min(available_cores(), 8) + 1)}
+            assert max(probe, key=lambda n: probe[n]) == str(row["threads"]), probe
+        else:
+            assert probe == {}
+    assert "probe_gflops" not in rows[1]
     summary = result["summary"]
     assert summary["best_fixed"] == 1 and summary["default_counts"] == [
         rows[0]["threads"],

@@ -100,12 +100,17 @@ def pick_count(rounds: dict[str, list[float]]) -> tuple[int, dict[str, float]]:
     return int(max(rates, key=lambda n: rates[n])), rates
 
 
+probe_rates: dict[torch.dtype, dict[str, float]] = {}
+"""What ``default_thread_count`` measured, by dtype: each count's median rate (FLOP/s)."""
+
+
 @functools.cache
 def default_thread_count(dtype: torch.dtype) -> int:
     """``fastest_thread_count`` in short rounds (about 0.25 s per candidate), once per process."""
     if available_cores() == 1:
         return 1
     best, rates = fastest_thread_count(dtype, _ENGINE_ROUND_SECONDS)
+    probe_rates[dtype] = rates
     log.info("torch threads: %d (GFLOP/s by count: %s)", best, _gflops(rates))
     return best
 

@@ -168,6 +168,8 @@ def _child(argv: list[str]) -> None:
 
     got = anyio.run(serve)
     got["threads"] = args.threads or _measured_count(args.dtype)
+    if args.threads is None:  # what the start-up probe saw, to study a start that misread
+        got["probe_gflops"] = _probe_gflops(args.dtype)
     print(_MARK + json.dumps(got), flush=True)
 
 
@@ -181,6 +183,15 @@ def _measured_count(dtype: str) -> int:
     if default_thread_count.cache_info().currsize == 0:
         raise RuntimeError("the engine did not measure its thread count in this process")
     return default_thread_count(getattr(torch, dtype))
+
+
+def _probe_gflops(dtype: str) -> dict[str, float]:
+    """Each count's median GFLOP/s in this process's start-up probe (none with one core)."""
+    import torch
+
+    from ..agent.cpu_threads import probe_rates
+
+    return {n: r / 1e9 for n, r in probe_rates.get(getattr(torch, dtype), {}).items()}
 
 
 if __name__ == "__main__":
