@@ -85,7 +85,10 @@ def _call_then(notify: Callable[[], None], fn: Callable[..., T], *args: Any) -> 
 
 def _notifier(token: anyio.lowlevel.EventLoopToken, fn: Callable[[], None]) -> Callable[[], None]:
     """A callable for another thread that has the event loop of ``token`` call ``fn`` soon,
-    without waiting for it; nothing once that loop has ended (nobody waits then)."""
+    without waiting for it; nothing once that loop has ended (nobody waits then).
+    (``anyio.from_thread.run_sync(fn, token=token)`` would block the compute thread until the
+    loop ran ``fn``: a wake-up back to it each call. anyio has no call that does not wait, so
+    this uses each backend's own, as anyio's worker threads do.)"""
     native = token.native_token
     if isinstance(native, asyncio.AbstractEventLoop):
         loop = native

@@ -222,16 +222,15 @@ class WeightUpdate:
         Staged by the executor for a wakeup, held tensors are copied at the commit."""
         if hold:
             named, file = await anyio.to_thread.run_sync(hold_part, str(path))
+            names = [name for name, _ in named]
+            kept = False
             try:
-                names = [name for name, _ in named]
-                if await self._stage(named, copy=False):
+                if kept := await self._stage(named, copy=False):  # views of it are staged
                     self._held.append(file)
                     self._held_names.update(n for n in names if n in self._staged)
-                    return
-            except BaseException:
-                file.close()
-                raise
-            file.close()
+            finally:
+                if not kept:
+                    file.close()
             return
         spare, self._spare = self._spare, None
         named, buffer = await anyio.to_thread.run_sync(read_part, str(path), spare)

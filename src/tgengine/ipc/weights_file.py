@@ -29,7 +29,6 @@ from ..models.safetensors_reader import (
     file_header_length,
     header_length,
     header_tensors,
-    stored_tensors,
 )
 from ..runtime import huge_pages
 
@@ -170,18 +169,9 @@ def map_weights(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
     The mapping lives as long as any of the tensors; the file may be removed at once.
     """
-    file = Path(path)
-    if file.is_dir():
-        file = file / FILE_NAME
-    try:
-        stored = list(stored_tensors(file))
-    except (KeyError, TypeError, AttributeError, struct.error) as exc:
-        raise ValueError(f"not a safetensors header: {type(exc).__name__}: {exc}") from exc
-    if not stored:
-        return []
-    with open(file, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return _views(mapped, stored)
+    named, held = hold_weights(path)
+    held.close()  # the mapping stays: nothing checks the file afterwards
+    return named
 
 
 @dataclass
@@ -208,7 +198,8 @@ class HeldFile:
 def hold_weights(path: str | Path) -> tuple[list[tuple[str, torch.Tensor]], HeldFile]:
     """``map_weights``, and the file held (``HeldFile``): nothing is read into this
     process's memory; on tmpfs the tensors are views of the file's own pages, as long as
-    the writer leaves it as it is. Blocking; ``ValueError`` and ``OSError`` as
+    the writer leaves it as it is. The header is read through the descriptor that is
+    mapped, so both are the same file. Blocking; ``ValueError`` and ``OSError`` as
     ``map_weights``."""
     file = Path(path)
     if file.is_dir():
