@@ -31,6 +31,14 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's shapes with other weights (seed 7): what a weight update pushes."""
+    from model_factory import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model_factory import make_tiny_model_dir
 

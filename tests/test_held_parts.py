@@ -10,6 +10,7 @@ the writer may use the file again once the commit answered.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -24,7 +25,6 @@ from tgengine.models import iter_safetensors
 from tgengine.server import Server, ServerConfig
 
 from engine_helpers import collect, greedy, hf_greedy, tiny_config, tokens_of
-from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
 
 pytestmark = pytest.mark.anyio
@@ -32,9 +32,12 @@ PROMPT = [5, 17, 29, 3, 44, 8, 91, 120, 7]
 UPDATES = "/weights/updates"
 
 
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory in /dev/shm for the trainer's part files, removed after the test."""
+    directory = weights_file.new_weights_dir()
+    yield directory
+    weights_file.remove_weights_dir(directory)
 
 
 def write_parts(model_dir: Path, shared: Path, size: int = 3) -> list[Path]:
@@ -58,82 +61,76 @@ def rewrite(file: Path, model_dir: Path) -> None:
 
 
 async def test_held_parts_apply_and_a_file_written_before_the_commit_fails_it(
-    tiny_llama_dir: Path, other_dir: Path
+    tiny_llama_dir: Path, other_dir: Path, shared: Path
 ) -> None:
     want_new = hf_greedy(other_dir, PROMPT, 8)
     engine = Engine(tiny_config(tiny_llama_dir))
-    shared = weights_file.new_weights_dir()
-    try:
-        with anyio.fail_after(TIMEOUT):
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                old = tokens_of(await collect(engine, PROMPT, greedy(8)))
-                assert old != want_new
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            old = tokens_of(await collect(engine, PROMPT, greedy(8)))
+            assert old != want_new
 
-                files = write_parts(other_dir, shared)
+            files = write_parts(other_dir, shared)
+            async with engine.weight_update() as update:
+                for file in files:
+                    await update.push_file(file, hold=True)
+                files[0].unlink()  # removing a held file is fine: its pages stay mapped
+                assert engine.weight_version == 0
+            assert engine.weight_version == 1
+            assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
+
+            # a held file written before the commit: the commit fails, nothing applies
+            files = write_parts(tiny_llama_dir, shared)
+            with pytest.raises(InvalidRequestError, match="written after it was pushed"):
                 async with engine.weight_update() as update:
                     for file in files:
                         await update.push_file(file, hold=True)
-                    files[0].unlink()  # removing a held file is fine: its pages stay mapped
-                    assert engine.weight_version == 0
-                assert engine.weight_version == 1
-                assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
+                    rewrite(files[1], other_dir)
+            assert engine.weight_version == 1
+            assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
 
-                # a held file written before the commit: the commit fails, nothing applies
-                files = write_parts(tiny_llama_dir, shared)
-                with pytest.raises(InvalidRequestError, match="written after it was pushed"):
-                    async with engine.weight_update() as update:
-                        for file in files:
-                            await update.push_file(file, hold=True)
-                        rewrite(files[1], other_dir)
-                assert engine.weight_version == 1
-                assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
-
-                # a held file that is not safetensors: refused, the update stays usable
-                (shared / "junk").write_bytes(b"\x10" + bytes(40))
-                files = write_parts(tiny_llama_dir, shared)
-                async with engine.weight_update() as update:
-                    with pytest.raises(InvalidRequestError, match="not a safetensors file"):
-                        await update.push_file(shared / "junk", hold=True)
-                    for file in files:
-                        await update.push_file(file, hold=True)
-                assert engine.weight_version == 2
-                assert tokens_of(await collect(engine, PROMPT, greedy(8))) == old
-                tg.cancel_scope.cancel()
-    finally:
-        weights_file.remove_weights_dir(shared)
+            # a held file that is not safetensors: refused, the update stays usable
+            (shared / "junk").write_bytes(b"\x10" + bytes(40))
+            files = write_parts(tiny_llama_dir, shared)
+            async with engine.weight_update() as update:
+                with pytest.raises(InvalidRequestError, match="not a safetensors file"):
+                    await update.push_file(shared / "junk", hold=True)
+                for file in files:
+                    await update.push_file(file, hold=True)
+            assert engine.weight_version == 2
+            assert tokens_of(await collect(engine, PROMPT, greedy(8))) == old
+            tg.cancel_scope.cancel()
 
 
 async def test_held_tensors_kept_for_a_wakeup_are_copied_at_the_commit(
-    tiny_llama_dir: Path, other_dir: Path
+    tiny_llama_dir: Path, other_dir: Path, shared: Path
 ) -> None:
     """With the weights asleep the commit keeps the tensors for the wakeup; the writer
     uses its files again once the commit answered, and the wakeup still gets what was
     pushed."""
     want_new = hf_greedy(other_dir, PROMPT, 8)
     engine = Engine(tiny_config(tiny_llama_dir))
-    shared = weights_file.new_weights_dir()
-    try:
-        with anyio.fail_after(TIMEOUT):
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                await engine.sleep(2)
-                files = write_parts(other_dir, shared)
-                async with engine.weight_update() as update:
-                    for file in files:
-                        await update.push_file(file, hold=True)
-                for file in files:  # the next update's parts, written over the same files
-                    rewrite(file, tiny_llama_dir)
-                await engine.wakeup()
-                assert engine.weight_version == 1
-                assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
-                tg.cancel_scope.cancel()
-    finally:
-        weights_file.remove_weights_dir(shared)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await engine.sleep(2)
+            files = write_parts(other_dir, shared)
+            async with engine.weight_update() as update:
+                for file in files:
+                    await update.push_file(file, hold=True)
+            for file in files:  # the next update's parts, written over the same files
+                rewrite(file, tiny_llama_dir)
+            await engine.wakeup()
+            assert engine.weight_version == 1
+            assert tokens_of(await collect(engine, PROMPT, greedy(8))) == want_new
+            tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("where", ["server", "engine process"])
-async def test_held_parts_over_http(tiny_llama_dir: Path, other_dir: Path, where: str) -> None:
+async def test_held_parts_over_http(
+    tiny_llama_dir: Path, other_dir: Path, shared: Path, where: str
+) -> None:
     """``parts/shared`` with ``"hold": true``: the engine (in the server's process or in
     its own) maps each file until the commit; one written meanwhile fails the commit (400),
     and nothing applies."""
@@ -142,7 +139,6 @@ async def test_held_parts_over_http(tiny_llama_dir: Path, other_dir: Path, where
     config = tiny_config(tiny_llama_dir)
     engine: EngineClient = ProcessEngine(config) if where == "engine process" else Engine(config)
     server = Server(engine, ServerConfig(port=0, admin_key=ADMIN_KEY, served_model_name=MODEL))
-    shared = weights_file.new_weights_dir()
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
 
     async def text(http: httpx.AsyncClient) -> str:
@@ -160,32 +156,29 @@ async def test_held_parts_over_http(tiny_llama_dir: Path, other_dir: Path, where
             assert sent.json()["num_parts"] == i + 1
         return update_id, files
 
-    try:
-        with anyio.fail_after(2 * TIMEOUT):
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                await tg.start(server.run)
-                headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-                async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
-                    old = await text(http)
-                    update_id, files = await post_held(http, other_dir)
-                    assert await text(http) == old  # nothing applies before the commit
-                    files[-1].unlink()
-                    committed = await http.post(f"{UPDATES}/{update_id}/commit")
-                    assert committed.status_code == 200, committed.text
-                    assert committed.json()["weight_version"] == 1
-                    new = await text(http)
+    with anyio.fail_after(2 * TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            await tg.start(server.run)
+            headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+                old = await text(http)
+                update_id, files = await post_held(http, other_dir)
+                assert await text(http) == old  # nothing applies before the commit
+                files[-1].unlink()
+                committed = await http.post(f"{UPDATES}/{update_id}/commit")
+                assert committed.status_code == 200, committed.text
+                assert committed.json()["weight_version"] == 1
+                new = await text(http)
 
-                    update_id, files = await post_held(http, tiny_llama_dir)
-                    rewrite(files[0], other_dir)
-                    refused = await http.post(f"{UPDATES}/{update_id}/commit")
-                    assert refused.status_code == 400, refused.text
-                    assert "written after it was pushed" in refused.json()["error"]["message"]
-                    status = (await http.get(f"{UPDATES}/{update_id}")).json()
-                    assert status["state"] == "aborted" and status["weight_version"] == 1
-                    assert await text(http) == new
-                tg.cancel_scope.cancel()
-    finally:
-        weights_file.remove_weights_dir(shared)
+                update_id, files = await post_held(http, tiny_llama_dir)
+                rewrite(files[0], other_dir)
+                refused = await http.post(f"{UPDATES}/{update_id}/commit")
+                assert refused.status_code == 400, refused.text
+                assert "written after it was pushed" in refused.json()["error"]["message"]
+                status = (await http.get(f"{UPDATES}/{update_id}")).json()
+                assert status["state"] == "aborted" and status["weight_version"] == 1
+                assert await text(http) == new
+            tg.cancel_scope.cancel()
     assert new == engine.tokenizer.decode(want_new)
     assert child_pids() == before_pids

@@ -21,7 +21,6 @@ from tgengine.models import iter_safetensors
 
 from engine_helpers import TIMEOUT, collect, greedy, tiny_config, tokens_of
 from kernel_helpers import require_avx512_bf16
-from model_factory import make_tiny_model_dir
 
 pytestmark = pytest.mark.anyio
 PROMPT = [5, 17, 29, 3, 44, 8, 91, 120, 7]
@@ -31,11 +30,6 @@ Named = list[tuple[str, torch.Tensor]]
 @pytest.fixture(autouse=True)
 def _pairs() -> None:
     require_avx512_bf16()  # elsewhere bf16 weights are not pair panels: nothing is absorbed
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
 
 
 def bf16(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -19,16 +19,10 @@ from tgengine.ipc import weights_file
 from tgengine.models import iter_safetensors
 
 from engine_helpers import TIMEOUT, collect, greedy, hf_greedy, tiny_config, tokens_of
-from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
 
 pytestmark = pytest.mark.anyio
 PROMPT = [5, 17, 29, 3, 44, 8, 91, 120, 7]
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
 
 
 def part_files() -> set[Path]:

@@ -24,17 +24,11 @@ from tgengine import (
 from tgengine.models import iter_safetensors
 
 from engine_helpers import TIMEOUT, collect, greedy, hf_greedy, tiny_config, tokens_of
-from model_factory import make_tiny_model_dir
 
 pytestmark = pytest.mark.anyio
 PROMPT = [5, 17, 29, 3, 44, 8, 91, 120, 7]
 MAX_TOKENS = 40
 FIRST = 3  # the request has at least this many tokens when the weights change
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
 
 
 class Kept:

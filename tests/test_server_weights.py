@@ -29,17 +29,11 @@ from tgengine.server import Server, ServerConfig
 from tgengine.server.weight_uploads import Upload
 
 from engine_helpers import hf_greedy, tiny_config
-from model_factory import make_tiny_model_dir
 from process_helpers import child_pids
 
 pytestmark = pytest.mark.anyio
 PROMPT = [5, 17, 29, 3, 44, 8, 91, 120, 7]
 UPDATES = "/weights/updates"
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("other"), arch="llama", seed=7)
 
 
 def body_of(named: list[tuple[str, torch.Tensor]], tmp_path: Path) -> bytes:
