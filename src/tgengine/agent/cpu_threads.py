@@ -3,9 +3,9 @@
 ``fastest_thread_count`` times 1..cores (at most 8) threads on what a decode step does — a
 small-batch GEMM pair through the engine's own GEMM routing (packed, as by default), with a
 float32 norm and an activation in between — in a pass of five interleaved rounds, and keeps
-each count's median round. A call that needs confirming (close, or fewer threads than cores)
-gets a second pass, and each count keeps its better pass. A big GEMM alone,
-or one short round, would mislead: on shared or quota-limited machines (VMs with more vCPUs
+each count's median round. A call that needs confirming (a close one, or fewer threads than
+candidates) gets a second pass, and each count keeps its better pass. A big GEMM alone, or
+one short round, would mislead: on shared or quota-limited machines (VMs with more vCPUs
 than CPU time) every parallel region can stall for milliseconds, now and then, and small
 operations, not GEMMs, then decide the speed. On a quiet 2-core machine two threads win (the
 mixed workload ran 1.6-2x faster with 2 than with 1); where a second thread only fights the
@@ -110,7 +110,7 @@ def is_close_call(rates: dict[str, float]) -> bool:
 
 
 def needs_second_pass(rates: dict[str, float]) -> bool:
-    """Whether a pass's call must be confirmed: a close one, or fewer threads than cores."""
+    """Whether a pass's call must be confirmed: a close one, or fewer threads than candidates."""
     best = max(rates, key=lambda n: rates[n])
     return is_close_call(rates) or int(best) < max(int(n) for n in rates)
 
