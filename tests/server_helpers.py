@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import httpx
 
-from tgengine import Engine, EngineDeadError
+from tgengine import Engine, EngineClient, EngineDeadError, ProcessEngine
 from tgengine.server import Server, ServerConfig
 
 from engine_helpers import tiny_config
@@ -26,7 +26,7 @@ TIMEOUT = 60  # seconds: a bound on any single server test; none should come clo
 
 @dataclass
 class Running:
-    engine: Engine
+    engine: EngineClient
     server: Server
     url: str
     engine_died: anyio.Event
@@ -43,15 +43,22 @@ async def running_server(
     *,
     faults: FaultInjector | None = None,
     engine_options: dict[str, object] | None = None,
+    own_process: bool = False,
     **server_options: Any,
 ) -> AsyncIterator[Running]:
     """An engine and its server, side by side in one task group; both stop on exit.
 
     An engine that dies does not take the server down here (so tests can watch the
-    server answer for a dead engine): ``engine_died`` is set instead.
+    server answer for a dead engine): ``engine_died`` is set instead. ``own_process``: the
+    engine in its own process (``ProcessEngine``; no ``faults`` then).
     """
     config = tiny_config(model_dir, **(engine_options or {}))
-    engine = Engine(config) if faults is None else faulty_engine(config, faults)
+    engine: EngineClient
+    if own_process:
+        assert faults is None, "faults are injected into an in-process engine"
+        engine = ProcessEngine(config)
+    else:
+        engine = Engine(config) if faults is None else faulty_engine(config, faults)
     server_options.setdefault("served_model_name", MODEL)
     server = Server(engine, ServerConfig(port=0, **server_options))
     died, returned = anyio.Event(), anyio.Event()

@@ -17,12 +17,11 @@ import anyio
 import httpx
 import pytest
 
-from server_helpers import ADMIN_KEY, MODEL, TIMEOUT
-from tgengine import Engine, EngineClient, InvalidRequestError, ProcessEngine
+from server_helpers import ADMIN_KEY, TIMEOUT, completion_body, running_server
+from tgengine import Engine, InvalidRequestError
 from tgengine.ipc import weights_file
 from tgengine.ipc.weights_file import write_weights_file
 from tgengine.models import iter_safetensors
-from tgengine.server import Server, ServerConfig
 
 from engine_helpers import collect, greedy, hf_greedy, tiny_config, tokens_of
 from process_helpers import child_pids
@@ -136,13 +135,10 @@ async def test_held_parts_over_http(
     and nothing applies."""
     want_new = hf_greedy(other_dir, PROMPT, 8)
     before_pids = child_pids()
-    config = tiny_config(tiny_llama_dir)
-    engine: EngineClient = ProcessEngine(config) if where == "engine process" else Engine(config)
-    server = Server(engine, ServerConfig(port=0, admin_key=ADMIN_KEY, served_model_name=MODEL))
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    body = completion_body(PROMPT, ignore_eos=True)
 
     async def text(http: httpx.AsyncClient) -> str:
-        response = await http.post("/v1/completions", json={**body, "ignore_eos": True})
+        response = await http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return str(response.json()["choices"][0]["text"])
 
@@ -157,11 +153,12 @@ async def test_held_parts_over_http(
         return update_id, files
 
     with anyio.fail_after(2 * TIMEOUT):
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            await tg.start(server.run)
-            headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-            async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+        own_process = where == "engine process"
+        async with running_server(
+            tiny_llama_dir, own_process=own_process, admin_key=ADMIN_KEY
+        ) as r:
+            engine = r.engine
+            async with r.client(ADMIN_KEY) as http:
                 old = await text(http)
                 update_id, files = await post_held(http, other_dir)
                 assert await text(http) == old  # nothing applies before the commit
@@ -179,6 +176,5 @@ async def test_held_parts_over_http(
                 status = (await http.get(f"{UPDATES}/{update_id}")).json()
                 assert status["state"] == "aborted" and status["weight_version"] == 1
                 assert await text(http) == new
-            tg.cancel_scope.cancel()
     assert new == engine.tokenizer.decode(want_new)
     assert child_pids() == before_pids
