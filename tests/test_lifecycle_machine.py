@@ -1466,7 +1466,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check_ended_requests(self) -> None:
         for req in self.d.requests:
             if req.done.is_set() and not req.checked:
-                check_outcome(req, self.reference, self.model.version)
+                check_outcome(req, self.reference, self.model.weight_sets)
                 self.check_text(req)
                 prompt = PROMPTS[req.prompt]
                 check_sampling(req, prompt, str(self.dir_a), self.logprobs_reference)

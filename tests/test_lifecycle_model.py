@@ -33,7 +33,7 @@ def test_a_consumer_cancelled_after_its_terminal_chunk_is_an_ordinary_end() -> N
         RequestOutput("m0", [182]),
         RequestOutput("m0", [], finish_reason="error", error=error),
     ]
-    check_outcome(cancelled_victim(chunks, "error"), REFERENCE, version=0)
+    check_outcome(cancelled_victim(chunks, "error"), REFERENCE, {0: "A"})
 
 
 @pytest.mark.parametrize(
@@ -53,4 +53,42 @@ def test_a_cancelled_consumer_that_saw_its_end_is_still_checked(
     chunks: list[RequestOutput], engine_reason: str
 ) -> None:
     with pytest.raises(AssertionError):
-        check_outcome(cancelled_victim(chunks, engine_reason), REFERENCE, version=0)
+        check_outcome(cancelled_victim(chunks, engine_reason), REFERENCE, {0: "A"})
+
+
+def broke_after(chunks: list[RequestOutput]) -> RequestModel:
+    """A request admitted under weights "A" whose consumer left after ``chunks``."""
+    req = RequestModel("m0", 1, prompt=0, max_tokens=4, stop_token=None, weights="A",
+                       break_after=len(chunks), held=False)  # fmt: skip
+    req.chunks, req.broke, req.gone_at_once = chunks, True, True
+    req.may_end("abort")
+    req.engine_reason = "abort"
+    return req
+
+
+def test_a_token_from_new_weights_before_the_consumer_left_is_not_natural() -> None:
+    """The CI flake of the machine (asyncio, sliding window): an update to weights "B"
+    committed, a step computed the third token with them, and the consumer took it and left
+    before the machine marked the live requests. Its chunk's version says which weights."""
+    chunks = [RequestOutput("m0", [182]), RequestOutput("m0", [7])]
+    chunks.append(RequestOutput("m0", [66], weight_version=1))
+    check_outcome(broke_after(chunks), REFERENCE, {0: "A", 1: "B"})
+
+
+@pytest.mark.parametrize(
+    "chunks, weight_sets",
+    [
+        # the same token under a version whose weights did not change: it must be natural
+        (
+            [RequestOutput("m0", [182]), RequestOutput("m0", [66], weight_version=1)],
+            {0: "A", 1: "A"},
+        ),
+        # a wrong token before the weights changed
+        ([RequestOutput("m0", [5]), RequestOutput("m0", [66], weight_version=1)], {0: "A", 1: "B"}),
+    ],
+)
+def test_tokens_before_a_weight_change_are_still_checked(
+    chunks: list[RequestOutput], weight_sets: dict[int, str]
+) -> None:
+    with pytest.raises(AssertionError):
+        check_outcome(broke_after(chunks), REFERENCE, weight_sets)
