@@ -267,6 +267,16 @@ class RequestModel:
         return bool(tokens) and tokens[-1] in self.stop_ids()
 
 
+def chunks_before_change(req: RequestModel, weight_sets: dict[int, str]) -> int:
+    """How many of ``req``'s first chunks the weights it was admitted with computed: all of
+    them, unless an update changed the weights under it (``weight_sets``: the weight set
+    each ``weight_version`` computes with)."""
+    for i, chunk in enumerate(req.chunks):
+        if weight_sets.get(chunk.weight_version, req.weights) != req.weights:
+            return i
+    return len(req.chunks)
+
+
 def check_outcome(
     req: RequestModel,
     reference: dict[str, dict[Any, list[int] | None]],
@@ -282,13 +292,9 @@ def check_outcome(
     tokens = [t for c in chunks for t in c.token_ids]
     reasons = [c.finish_reason for c in chunks]
     natural = req.natural_tokens(reference)
-    changed = [
-        i
-        for i, c in enumerate(chunks)
-        if weight_sets.get(c.weight_version, req.weights) != req.weights
-    ]
-    if natural is not None and changed:  # the weights changed under it: a natural prefix
-        before = [t for c in chunks[: changed[0]] for t in c.token_ids]
+    unchanged = chunks_before_change(req, weight_sets)
+    if natural is not None and unchanged < len(chunks):  # changed under it: a natural prefix
+        before = [t for c in chunks[:unchanged] for t in c.token_ids]
         assert before == natural[: len(before)], (req.request_id, before, natural)
         natural = None
     where = (

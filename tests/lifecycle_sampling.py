@@ -29,7 +29,7 @@ from tgengine.structured_outputs.compiler import GrammarCompiler
 from tgengine.structured_outputs.matcher import GrammarMatcher, GrammarRejectedError
 
 from engine_helpers import _hf_model
-from lifecycle_model import RequestModel
+from lifecycle_model import RequestModel, chunks_before_change
 from structured_helpers import CASES, check_output
 
 CONSTRAINTS = ("choice", "regex")  # short, bounded outputs a random tiny model completes
@@ -170,13 +170,16 @@ def check_sampling(
     prompt: list[int],
     model_dir: str,
     logprobs: dict[str, dict[int, LogprobReference]],
+    weight_sets: dict[int, str],
 ) -> None:
-    """``req``'s structured output and log probabilities, beside ``check_outcome``."""
+    """``req``'s structured output and log probabilities, beside ``check_outcome``
+    (``weight_sets`` as there: only the chunks computed before the weights changed under
+    it have the reference's log probabilities)."""
     if req.constraint is not None:
         check_constrained(req, model_dir)
     if req.logprobs:
         ref = logprobs[req.weights][req.prompt] if req.weights is not None else None
-        check_logprobs(req, prompt, ref)
+        check_logprobs(req, prompt, ref, chunks_before_change(req, weight_sets))
 
 
 def check_constrained(req: RequestModel, model_dir: str) -> None:
@@ -193,12 +196,16 @@ def check_constrained(req: RequestModel, model_dir: str) -> None:
         check_output(req.constraint, "".join(c.text for c in req.chunks))
 
 
-def check_logprobs(req: RequestModel, prompt: list[int], ref: LogprobReference | None) -> None:
+def check_logprobs(
+    req: RequestModel, prompt: list[int], ref: LogprobReference | None, natural_chunks: int
+) -> None:
     """One log probability per token (greedy: the most likely of its ``LOGPROBS``), the
-    prompt's with the first token only; equal to ``ref``'s where the weights are known."""
+    prompt's with the first token only; equal to ``ref``'s where the weights are known: in
+    the first ``natural_chunks`` chunks (those the weights it was admitted with computed)."""
     where = req.request_id
-    with_tokens = [c for c in req.chunks if c.token_ids]
-    for i, chunk in enumerate(with_tokens):
+    with_tokens = [(n, c) for n, c in enumerate(req.chunks) if c.token_ids]
+    for i, (n, chunk) in enumerate(with_tokens):
+        ref = ref if n < natural_chunks else None
         token = chunk.token_ids[0]
         assert chunk.logprobs is not None and chunk.top_logprobs is not None, (where, chunk)
         top = chunk.top_logprobs[0]

@@ -1469,7 +1469,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                 check_outcome(req, self.reference, self.model.weight_sets)
                 self.check_text(req)
                 prompt = PROMPTS[req.prompt]
-                check_sampling(req, prompt, str(self.dir_a), self.logprobs_reference)
+                check_sampling(
+                    req, prompt, str(self.dir_a), self.logprobs_reference, self.model.weight_sets
+                )
                 req.checked = True
 
     def check_text(self, req: RequestModel) -> None:

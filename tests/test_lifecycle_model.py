@@ -4,11 +4,13 @@ accept and those it must reject, each one a hole or a false alarm found once."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tgengine import RequestOutput
 from tgengine.errors import CacheNotReadyError
 
 from lifecycle_model import CACHE_ERROR, RequestModel, check_outcome
+from lifecycle_sampling import LogprobReference, check_sampling
 
 REFERENCE = {"A": {0: [182, 7, 9, 11]}}
 
@@ -92,3 +94,42 @@ def test_tokens_before_a_weight_change_are_still_checked(
 ) -> None:
     with pytest.raises(AssertionError):
         check_outcome(broke_after(chunks), REFERENCE, weight_sets)
+
+
+def logprob_chunks(versions: list[int]) -> list[RequestOutput]:
+    """Chunks of tokens 182, 7, 9 with log probabilities: the reference's below for
+    version 0, another distribution's for a later one."""
+    chunks = []
+    for i, (token, version) in enumerate(zip([182, 7, 9], versions, strict=True)):
+        value = -0.5 if version == 0 else -2.5
+        first = i == 0
+        chunks.append(
+            RequestOutput(
+                "m0",
+                [token],
+                logprobs=[value],
+                top_logprobs=[{token: value, 3: -4.0}],
+                weight_version=version,
+                prompt_logprobs=[None, -1.0] if first else None,
+                prompt_top_logprobs=[None, {5: -1.0}] if first else None,
+            )
+        )
+    return chunks
+
+
+def logprob_reference() -> dict[str, dict[int, LogprobReference]]:
+    rows = torch.full((4, 200), -9.0)
+    rows[:, 3] = -4.0
+    for i, token in enumerate([182, 7, 9]):
+        rows[i, token] = -0.5
+    return {"A": {0: LogprobReference([None, -1.0], rows)}}
+
+
+def test_log_probabilities_from_new_weights_are_not_the_references() -> None:
+    """The same race seen by the log probability check (CI, stop 47): the third token's
+    came from weights "B", which the reference of "A" does not know."""
+    req = broke_after(logprob_chunks([0, 0, 1]))
+    req.logprobs = True
+    check_sampling(req, [1, 5], "", logprob_reference(), {0: "A", 1: "B"})
+    with pytest.raises(AssertionError):  # the same chunks, the weights unchanged: wrong
+        check_sampling(req, [1, 5], "", logprob_reference(), {0: "A", 1: "A"})
