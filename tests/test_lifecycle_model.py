@@ -3,6 +3,8 @@ accept and those it must reject, each one a hole or a false alarm found once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from tgengine.errors import CacheNotReadyError
 from lifecycle_model import CACHE_ERROR, RequestModel, check_outcome
 from lifecycle_sampling import LogprobReference, check_sampling
 
-REFERENCE = {"A": {0: [182, 7, 9, 11]}}
+REFERENCE: dict[str, dict[Any, list[int] | None]] = {"A": {0: [182, 7, 9, 11]}}
 
 
 def cancelled_victim(chunks: list[RequestOutput], engine_reason: str) -> RequestModel:
