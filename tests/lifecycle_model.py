@@ -54,12 +54,20 @@ class EngineModel:
     sleeping: set[str] = field(default_factory=set)
     weights: str = "A"  # the weight set resident (or offloaded): "A" on disk, "B" pushed
     host_copy: bool = False  # level-1 sleep keeps the weights in host memory
-    version: int = 0
     # the weight set each weight_version computes with (an update staged while the weights
-    # sleep: the set they wake with)
+    # sleep: the set they wake with); a new dict at each change, so a ``replace`` copy's
+    # trial update leaves the original's alone
     weight_sets: dict[int, str] = field(default_factory=lambda: {0: "A"})
     # an update while the weights sleep waits for their wakeup; the weight set it holds
     staged: str | None = None
+
+    @property
+    def version(self) -> int:
+        """The engine's ``weight_version``: one more with each set of weights applied."""
+        return max(self.weight_sets)
+
+    def new_version(self, weights: str) -> None:
+        self.weight_sets = {**self.weight_sets, self.version + 1: weights}
 
     @property
     def alive(self) -> bool:
@@ -143,8 +151,8 @@ class EngineModel:
             if self.staged is not None:  # a whole set: nothing is read from disk
                 self.weights, self.staged = self.staged, None
             elif not self.host_copy:
-                self.weights, self.version = "A", self.version + 1  # reloaded from disk
-                self.weight_sets[self.version] = "A"
+                self.weights = "A"  # reloaded from disk
+                self.new_version("A")
         if "weights" in tags:
             self.host_copy = False
         self.sleeping -= set(tags)
@@ -167,8 +175,7 @@ class EngineModel:
             self.staged = weights
         else:
             self.weights = weights
-        self.version += 1
-        self.weight_sets[self.version] = weights
+        self.new_version(weights)
         return None
 
     def memory(self) -> tuple[bool, bool, bool]:

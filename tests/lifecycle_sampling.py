@@ -205,17 +205,17 @@ def check_logprobs(
     where = req.request_id
     with_tokens = [(n, c) for n, c in enumerate(req.chunks) if c.token_ids]
     for i, (n, chunk) in enumerate(with_tokens):
-        ref = ref if n < natural_chunks else None
+        known = ref if n < natural_chunks else None  # computed with the admission weights
         token = chunk.token_ids[0]
         assert chunk.logprobs is not None and chunk.top_logprobs is not None, (where, chunk)
         top = chunk.top_logprobs[0]
         assert len(chunk.logprobs) == 1 and len(top) == LOGPROBS, (where, chunk)
         assert next(iter(top)) == token and top[token] == chunk.logprobs[0], (where, chunk)
-        if ref is not None:
+        if known is not None:
             for alternative, value in top.items():
-                want = float(ref.rows[i, alternative])
+                want = float(known.rows[i, alternative])
                 assert abs(value - want) <= TOLERANCE, (where, i, alternative, value, want)
-        check_prompt_logprobs(req, chunk, prompt, ref if i == 0 else None, first=i == 0)
+        check_prompt_logprobs(req, chunk, prompt, known if i == 0 else None, first=i == 0)
     for chunk in req.chunks:
         if not chunk.token_ids:
             assert chunk.logprobs is None and chunk.prompt_logprobs is None, (where, chunk)
