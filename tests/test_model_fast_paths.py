@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tgengine.agent.inputs import prepare_inputs
 from tgengine.core.step import SeqStep
+from tgengine.kernels.isa import isa
 from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
 from tgengine.models.fused import fused_rows
@@ -177,6 +178,65 @@ def test_packed_weights_replace_the_plain_ones(dtype: torch.dtype) -> None:
     gemm.unpack(weights)
     assert weights.packed is None and gemm.packed_bytes == 0
     assert torch.equal(weights.plain(), plain), "unpacking is exact"
+
+
+def test_pair_panels_run_onednn_from_prefill_sizes_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # From PAIRS_ONEDNN_MIN_ROWS rows, on AMX, a product on pair panels unpacks its weight
+    # (into a reused buffer) and runs oneDNN's GEMM: the same bits as F.linear on the plain
+    # weight. Below it, with AMX off, for float32 output and for weights over the size cap,
+    # the panels' own kernel runs. The spy says which ran.
+    from tgengine.kernels import pair_panels
+    from tgengine.models import gemm as gemm_module
+
+    if "amx" not in pair_panels.pair_panel_variants():
+        pytest.skip(f"oneDNN's AMX GEMM at prefill sizes needs AMX (this CPU: {isa()})")
+    torch.manual_seed(0)
+    linears = [
+        torch.nn.Linear(64, n, bias=False).bfloat16().requires_grad_(False) for n in (96, 40)
+    ]
+    plain = torch.cat([linear.weight.detach() for linear in linears])
+    weights = LinearWeights(linears)
+    gemm = Gemm()
+    gemm.prepack = True
+    gemm.pack(weights)
+    assert isinstance(weights.packed, Panels) and weights.packed.pair_cols == 64
+    unpacked = []
+    real = pair_panels.unpack_pair_panels
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        unpacked.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pair_panels, "unpack_pair_panels", spy)
+    bias = torch.randn(136).bfloat16()
+    low = gemm_module.PAIRS_ONEDNN_MIN_ROWS
+    for rows, dense in ((low - 1, False), (low, True), (low + 300, True)):
+        unpacked.clear()
+        x = torch.randn(rows, 64).bfloat16()
+        got = gemm.linear(x, weights, bias)
+        assert unpacked == ([136] if dense else []), rows
+        if dense:
+            assert torch.equal(got, F.linear(x, plain, bias))
+            assert torch.equal(gemm.linear(x.view(2, -1, 64), weights, bias).view(rows, -1), got)
+        torch.testing.assert_close(
+            got.float(), F.linear(x.float(), plain.float(), bias.float()), atol=0.05, rtol=0.02
+        )
+    x = torch.randn(low, 64).bfloat16()
+    unpacked.clear()
+    gemm.linear(x, weights, float_output=True)
+    monkeypatch.setattr(gemm_module, "PAIRS_ONEDNN_MAX_ELEMENTS", 136 * 64 - 1)
+    gemm.linear(x, weights)
+    monkeypatch.undo()
+    monkeypatch.setattr(pair_panels, "unpack_pair_panels", spy)
+    before = pair_panels.amx()
+    try:
+        pair_panels.set_amx(False)
+        gemm.linear(x, weights)
+    finally:
+        pair_panels.set_amx(before)
+    assert unpacked == [], "float32 output, a weight over the cap, AMX off: the panels' kernel"
 
 
 @pytest.mark.skipif(not can_pack_panels(torch.bfloat16), reason="no panels on this CPU")

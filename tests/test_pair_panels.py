@@ -82,6 +82,30 @@ def test_row_blocks_pack_and_write_in_place_as_the_layout_says(n: int, k: int) -
     assert torch.equal(panels, want)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_unpacking_reads_the_layout_back_exactly_in_one_pass(n: int, k: int) -> None:
+    # The kernel (tg_pair_panel_read_rows: 16 x 16 tiles, partial ones, an odd last column)
+    # against the weight itself and the plain-torch form; into a given buffer too.
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    weight[0, 0] = float("nan")  # bits, not values: a NaN comes back as it went in
+    panels = reference_panels(weight)
+    got = unpack_pair_panels(panels, n, k)
+    assert torch.equal(got.view(torch.int16), weight.view(torch.int16))
+    assert torch.equal(
+        pair_panels._unpack_torch(panels, n, k).view(torch.int16), got.view(torch.int16)
+    )
+    out = torch.full((n, k), 7.0, dtype=torch.bfloat16)
+    assert unpack_pair_panels(panels, n, k, out) is out
+    assert torch.equal(out.view(torch.int16), weight.view(torch.int16))
+    # fewer rows than the panels hold: the first ones
+    half = unpack_pair_panels(panels, n // 2, k)
+    assert torch.equal(half.view(torch.int16), weight[: n // 2].view(torch.int16))
+    with pytest.raises(ValueError):
+        unpack_pair_panels(panels, panels.shape[0] * 16 + 1, k)  # a row past the panels
+    with pytest.raises(ValueError):
+        unpack_pair_panels(panels, n, k, torch.empty(n, k + 1, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize(("n", "k"), [(32, 64), (17, 5)])
 def test_writing_rows_says_when_a_value_is_not_finite(bad: float, n: int, k: int) -> None:

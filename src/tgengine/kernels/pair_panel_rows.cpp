@@ -96,3 +96,60 @@ extern "C" int tg_pair_panel_write_rows(const void* src_, int64_t rows, int64_t 
   }
   return bad;
 }
+
+#ifdef TG_TRANSPOSE_512
+namespace {
+
+// write's tile_16x16 backwards: 16 pair columns of the panel (64-byte lines) in, transposed,
+// 16 rows of 16 pairs out.
+inline void untile_16x16(const uint32_t* src, uint16_t* dst, int64_t stride) {
+  __m512i r[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(src + j * 16);
+  tg::transpose16x16_epi32(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * stride, r[i]);
+}
+
+}  // namespace
+#endif
+
+// The weight's rows row0 .. row0 + rows - 1 out of its pair panels (pairs a panel row, as
+// tg_pair_panel_write_rows takes them), into dst: rows x cols bf16, row r at dst + r *
+// dst_stride (elements), exactly. The same tiles as the write, read instead. Returns 0, or 2
+// for shapes that do not fit.
+extern "C" int tg_pair_panel_read_rows(const void* panels_, int64_t pairs, int64_t row0,
+                                       int64_t rows, int64_t cols, void* dst_,
+                                       int64_t dst_stride, int threads) {
+  if (rows < 0 || cols < 1 || row0 < 0 || pairs < (cols + 1) / 2 || dst_stride < cols) return 2;
+  if (rows == 0) return 0;
+  const auto* panels = static_cast<const uint32_t*>(panels_);
+  auto* dst = static_cast<uint16_t*>(dst_);
+  const int64_t full = cols / 2, first = row0 / kPanel, last = (row0 + rows - 1) / kPanel;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = first; p <= last; ++p) {
+    const int64_t lo = std::max(row0, p * kPanel), hi = std::min(row0 + rows, (p + 1) * kPanel);
+    const uint32_t* panel = panels + p * pairs * kPanel;
+    const int64_t n = hi - lo;
+    for (int64_t j0 = 0; j0 < full; j0 += kPanel) {
+      const int64_t w = std::min(kPanel, full - j0);
+      uint16_t* out = dst + (lo - row0) * dst_stride + 2 * j0;
+#ifdef TG_TRANSPOSE_512
+      if (n == kPanel && w == kPanel) {
+        untile_16x16(panel + j0 * kPanel, out, dst_stride);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < w; ++j) {
+          const uint32_t pair = panel[(j0 + j) * kPanel + lo % kPanel + i];
+          std::memcpy(out + i * dst_stride + 2 * j, &pair, sizeof pair);
+        }
+    }
+    if (cols % 2) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const uint32_t pair = panel[full * kPanel + r % kPanel];
+        dst[(r - row0) * dst_stride + cols - 1] = static_cast<uint16_t>(pair & 0xffffu);
+      }
+    }
+  }
+  return 0;
+}

@@ -113,8 +113,37 @@ def _write_rows_torch(panels: torch.Tensor, rows: torch.Tensor, row0: int) -> bo
     return bool(torch.isfinite(rows).all())
 
 
-def unpack_pair_panels(panels: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The ``[rows, cols]`` weight ``pack_pair_panels`` packed, exactly."""
+def unpack_pair_panels(
+    panels: torch.Tensor, rows: int, cols: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``[rows, cols]`` weight ``pack_pair_panels`` packed, exactly; into ``out`` (a
+    contiguous bf16 ``[rows, cols]``) when given. In one pass where the kernels load."""
+    if rows > panels.shape[0] * PANEL or panels.shape[1] < -(-cols // 2):
+        raise ValueError(f"unpack_pair_panels: {rows}x{cols} from {tuple(panels.shape)}")
+    lib = kernels.load()
+    if lib is not None and panels.device.type == "cpu" and panels.is_contiguous():
+        if out is None:
+            out = torch.empty(rows, cols, dtype=torch.bfloat16)
+        if out.shape != (rows, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"unpack_pair_panels: out {tuple(out.shape)} for {rows}x{cols}")
+        status = lib.tg_pair_panel_read_rows(
+            panels.data_ptr(),
+            panels.shape[1],
+            0,
+            rows,
+            cols,
+            out.data_ptr(),
+            cols,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"tg_pair_panel_read_rows refused {rows}x{cols}")
+        return out
+    dense = _unpack_torch(panels, rows, cols)
+    return dense if out is None else out.copy_(dense)
+
+
+def _unpack_torch(panels: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     num_panels, pairs, width, two = panels.shape
     full = panels.transpose(1, 2).reshape(num_panels * width, pairs * two)
     return full[:rows, :cols].contiguous()
