@@ -19,7 +19,9 @@ what one ``vdpbf16ps`` multiplies a broadcast pair of ``x`` by (``pair_panels.h`
 Called without a variant, it takes AMX where it is on, AVX-512 BF16 otherwise
 (``tg_pair_panel_linear_fast``, which the one-call decode calls too), or the portable twin
 where neither runs. ``Gemm`` packs bf16 weights this way where the AVX-512
-BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them.
+BF16 kernels run (``kernels.avx512_bf16()``), and the one-call decode reads them; with AMX,
+``Gemm`` sends products of 512 rows and more to oneDNN on the weight ``unpack_pair_panels``
+gives back in one pass (``models.gemm.PAIRS_ONEDNN_MIN_ROWS``).
 """
 
 from __future__ import annotations
