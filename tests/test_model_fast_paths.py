@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from tgengine.agent.inputs import prepare_inputs
 from tgengine.core.step import SeqStep
+from tgengine.kernels import pair_panels
 from tgengine.kernels.isa import isa
 from tgengine.models import CausalLM, KVCache, load_model, load_model_config
 from tgengine.models import attention as attention_module
+from tgengine.models import gemm as gemm_module
 from tgengine.models.fused import fused_rows
 from tgengine.models.gemm import Gemm, LinearWeights, Panels, can_pack_panels, can_prepack
 from tgengine.models.weights import pack_weights
@@ -187,9 +189,6 @@ def test_pair_panels_run_onednn_from_prefill_sizes_where_the_cpu_has_amx(
     # (into a reused buffer) and runs oneDNN's GEMM: the same bits as F.linear on the plain
     # weight. Below it, with AMX off, for float32 output and for weights over the size cap,
     # the panels' own kernel runs. The spy says which ran.
-    from tgengine.kernels import pair_panels
-    from tgengine.models import gemm as gemm_module
-
     if "amx" not in pair_panels.pair_panel_variants():
         pytest.skip(f"oneDNN's AMX GEMM at prefill sizes needs AMX (this CPU: {isa()})")
     torch.manual_seed(0)

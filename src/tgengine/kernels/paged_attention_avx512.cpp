@@ -19,10 +19,11 @@
 // at each step, not asked a tile at a time: a burst of 64 lines fills the core's few L1 miss
 // buffers and stalls the sums behind it until the memory answers (Intel Xeon VM, amx, 32
 // sequences, 30 layers' cache from memory, 1 / 2 threads: 40.2 / 20.5 -> 34.0 / 17.4 ms; a
-// loop that only reads the same bytes takes 29 / 13.8). Built with -mavx512f -mavx512bw -mavx512bf16 on any machine
-// (kernels/__init__.py), run only where the CPU has them: tg_paged_decode asks
-// tg_use_avx512_bf16 first. Handles head dims that are multiples of 32 and groups of up to
-// 8 query heads; 1 (refused) otherwise, and tg_paged_decode takes its own path.
+// loop that only reads the same bytes takes 29 / 13.8). Built with -mavx512f -mavx512bw
+// -mavx512bf16 on any machine (kernels/__init__.py), run only where the CPU has them:
+// tg_paged_decode asks tg_use_avx512_bf16 first. Handles head dims that are multiples of 32
+// and groups of up to 8 query heads; 1 (refused) otherwise, and tg_paged_decode takes its
+// own path.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,10 +41,10 @@ namespace {
 
 constexpr int64_t kTile = 16;   // positions per tile of scores
 constexpr int64_t kAhead = 32;  // positions read ahead (blocks lie anywhere in the cache)
-constexpr int kAccRegisters = 24;
+constexpr int kAccRegisters = 24;  // float32 sums a block of the values' pass may hold
 // Tiles of the next item's keys fetched before an item's softmax, the rest during its values'
 // pass (32 sequences, one thread: none 12.3-12.9 ms, 2-8 11.6-12.5, 16-32 12.4-13.9).
-constexpr int kEarlyTiles = 4;  // float32 sums a block of the values' pass may hold
+constexpr int kEarlyTiles = 4;
 
 using tg::bf16_bits16;
 using tg::exp16;

@@ -122,12 +122,14 @@ def unpack_pair_panels(
     contiguous bf16 ``[rows, cols]``) when given. In one pass where the kernels load."""
     if rows > panels.shape[0] * PANEL or panels.shape[1] < -(-cols // 2):
         raise ValueError(f"unpack_pair_panels: {rows}x{cols} from {tuple(panels.shape)}")
+    if out is not None and (
+        out.shape != (rows, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous()
+    ):
+        raise ValueError(f"unpack_pair_panels: out {tuple(out.shape)} for {rows}x{cols}")
     lib = kernels.load()
     if lib is not None and panels.device.type == "cpu" and panels.is_contiguous():
         if out is None:
             out = torch.empty(rows, cols, dtype=torch.bfloat16)
-        if out.shape != (rows, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(f"unpack_pair_panels: out {tuple(out.shape)} for {rows}x{cols}")
         status = lib.tg_pair_panel_read_rows(
             panels.data_ptr(),
             panels.shape[1],

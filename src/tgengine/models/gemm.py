@@ -138,7 +138,6 @@ class Panels:
             if (
                 not float_output
                 and flat.shape[0] >= PAIRS_ONEDNN_MIN_ROWS
-                and flat.dtype == torch.bfloat16
                 and self.rows * self.pair_cols <= PAIRS_ONEDNN_MAX_ELEMENTS
                 and pair_panels.amx()
             ):
