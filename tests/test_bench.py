@@ -68,6 +68,9 @@ def test_throughput(
         assert row["output_tokens"] == expected_tokens, row["system"]
         for key in ("wall_s", "tokens_per_s", "requests_per_s", "fraction_of_compute_floor"):
             assert row[key] > 0, (row["system"], key)
+        # The roofline floor: the longer of the compute floor and the bytes' floor.
+        assert row["roofline_floor_s"] == max(row["compute_floor_s"], row["memory_floor_s"])
+        assert row["fraction_of_roofline_floor"] >= row["fraction_of_compute_floor"]
     ratios = result["ratios"]
     assert ratios["tgengine / hf_generate (best batch size)"] > 0
     assert ratios["tgengine / hf_generate_batch"] > 0
@@ -229,6 +232,35 @@ def test_moe_model(
         assert split.keys() == {"attention", "routing", "experts", "rest"}
         assert all(0 < share < 1 for share in split.values()), split
         assert sum(split.values()) == pytest.approx(1.0)
+
+
+def test_a_workload_reads_the_weights_once_per_forward_and_each_tokens_context(
+    tiny_llama_dir: Path,
+) -> None:
+    from tgengine.bench.roofline import MachineLimits, ModelCosts, compute_floor
+    from tgengine.bench.workload import BenchRequest
+    from tgengine.models import load_model_config
+
+    costs = ModelCosts.of(load_model_config(tiny_llama_dir), torch.float32)
+    w, kv = costs.weight_bytes, costs.kv_bytes_per_token
+    # 4 forwards at the least (the longest output); the first request's 3 decode tokens read
+    # contexts of 11, 12 and 13 tokens, the second's none (one token, from its prompt).
+    requests = [BenchRequest([1] * 10, 4), BenchRequest([2] * 5, 1)]
+    assert costs.workload_bytes(requests) == 4 * w + (11 + 12 + 13) * kv
+    assert costs.workload_bytes([]) == 0
+    # Memory-bound (a slow memory): the roofline floor is the bytes' floor, and reached at
+    # twice that wall time by half.
+    memory = 4 * w + 36 * kv
+    limits = MachineLimits("cpu", "float32", 1, 1e15, float(memory), {}, {}, (1, 1, 1, "x"))
+    found = compute_floor(costs, limits, requests, wall_s=2.0)
+    assert found["memory_floor_s"] == pytest.approx(1.0)
+    assert found["roofline_floor_s"] == pytest.approx(1.0)
+    assert found["fraction_of_roofline_floor"] == pytest.approx(0.5)
+    assert found["fraction_of_compute_floor"] < 0.01
+    # Compute-bound (a slow GEMM): the compute floor.
+    slow = MachineLimits("cpu", "float32", 1, 1.0, 1e15, {}, {}, (1, 1, 1, "x"))
+    found = compute_floor(costs, slow, requests, wall_s=2.0)
+    assert found["roofline_floor_s"] == found["compute_floor_s"] > found["memory_floor_s"]
 
 
 def test_moe_costs_count_the_chosen_experts(tiny_moe_dir: Path) -> None:

@@ -99,6 +99,7 @@ def _throughput(result: dict[str, Any]) -> str:
             ("wall_s", "wall s"),
             ("output_tokens", "out tokens"),
             ("fraction_of_compute_floor", "of compute floor"),
+            ("fraction_of_roofline_floor", "of roofline floor"),
             ("floor_gemm", "GEMM GFLOP/s before/after"),
         ],
     )

@@ -232,6 +232,20 @@ class ModelCosts:
             total += self.attention_flops_per_key * pairs
         return total
 
+    def workload_bytes(self, requests: list[BenchRequest]) -> int:
+        """The bytes any engine must read from memory: the weights once per forward, for
+        the fewest forwards the workload allows (its longest output: one forward per token,
+        every prompt in the first), and each output token's context KV once (the token the
+        prompt's forward samples reads none: its keys are computed there)."""
+        if not requests:
+            return 0
+        forwards = max(r.max_tokens for r in requests)
+        kv_tokens = 0
+        for r in requests:
+            p, n = len(r.prompt), r.max_tokens - 1  # decode forwards, contexts p + 1 .. p + n
+            kv_tokens += n * p + n * (n + 1) // 2
+        return forwards * self.weight_bytes + kv_tokens * self.kv_bytes_per_token
+
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "flops_per_token": self.flops_per_token()}
 
@@ -243,7 +257,13 @@ def compute_floor(
     wall_s: float,
     around: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
-    """The workload's FLOPs at the measured GEMM rate, and the fraction of it a run reached.
+    """The workload's FLOPs at the measured GEMM rate, and the fraction of it a run reached;
+    beside it the roofline floor: the longer of that and the workload's bytes
+    (``ModelCosts.workload_bytes``) at the measured memory rate.
+
+    The compute floor alone is out of reach where decoding is bound by memory (on AMX the
+    GEMM rate is 5-10x what a decode step's reads allow); the roofline floor is what no
+    engine can beat on either count.
 
     ``around``: the GEMM rate measured just before and just after the run (``BenchSetup.around``);
     the floor then takes their mean, the machine's rate while the run went on, instead of
@@ -253,12 +273,19 @@ def compute_floor(
     flops = costs.workload_flops(requests)
     rate = limits.matmul_flops if around is None else sum(around) / 2
     floor_s = flops / rate
+    workload_bytes = costs.workload_bytes(requests)
+    memory_s = workload_bytes / limits.memory_bandwidth
+    roofline_s = max(floor_s, memory_s)
     found: dict[str, Any] = {
         "workload_flops": float(flops),
         "compute_floor_s": floor_s,
         "compute_floor_matmul_flops": rate,
         "achieved_flops": flops / wall_s if wall_s > 0 else 0.0,
         "fraction_of_compute_floor": floor_s / wall_s if wall_s > 0 else 0.0,
+        "workload_bytes": float(workload_bytes),
+        "memory_floor_s": memory_s,
+        "roofline_floor_s": roofline_s,
+        "fraction_of_roofline_floor": roofline_s / wall_s if wall_s > 0 else 0.0,
     }
     if around is not None:
         found["matmul_flops_before_after"] = list(around)
