@@ -65,8 +65,9 @@ constexpr int64_t kPanelBytes = 768 << 10;  // panels a pass of every row of x g
 // How far ahead of its tiles a thread asks L2 for panels, at least a column block: the tile
 // loads alone, which wait for the products before them, left memory idle meanwhile.
 // Measured on a 2-core Sapphire Rapids class VM (SmolLM2's 121 decode products, 32 rows,
-// weights from memory, 2 threads): 64 KiB: 12.9-13.1 -> 12.1-12.4 ms; lm_head's 56 MB
-// alone 22-23 -> 25-27 GB/s (a plain read of the panels in this order: 29).
+// weights from memory, alternating): 2 threads 13.4-14.0 -> 12.2-12.4 ms, 1 thread
+// 26.8-27.0 -> 25.1 (a plain read of the panels in this order: 8.9-9.3 ms at 2 threads);
+// lm_head's 56 MB alone 22-23 -> 25-27 GB/s. 36-150 KB ahead: within the runs' spread.
 constexpr int64_t kAheadBytes = 64 << 10;
 
 // This thread's tiles, configured for a block of rows0 + rows1 rows of x (rows1 may be 0),
