@@ -31,10 +31,25 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         axes[0].barh(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
         axes[0].set_xlabel("output tokens/s")
         axes[0].invert_yaxis()
+        at = range(len(rows))
         axes[1].barh(
-            names, [100 * r.get("fraction_of_compute_floor", 0) for r in rows], color="tab:orange"
+            [i - 0.2 for i in at],
+            [100 * r.get("fraction_of_compute_floor", 0) for r in rows],
+            height=0.4,
+            color="tab:orange",
+            label="compute floor (measured GEMM rate)",
         )
-        axes[1].set_xlabel("% of the compute floor (measured GEMM rate)")
+        if any("fraction_of_roofline_floor" in r for r in rows):  # throughput
+            axes[1].barh(
+                [i + 0.2 for i in at],
+                [100 * r.get("fraction_of_roofline_floor", 0) for r in rows],
+                height=0.4,
+                color="tab:green",
+                label="roofline floor (and the measured memory rate)",
+            )
+        axes[1].set_yticks(list(at), names)
+        axes[1].set_xlabel("% of the floor")
+        axes[1].legend(loc="lower right", fontsize="small")
         axes[1].invert_yaxis()
     elif kind == "latency":
         rows = result["rows"]
