@@ -86,6 +86,11 @@ def test_throughput(
     assert "matmul_flops_before_after" not in result["rows"][1]
     printed = (tmp_path / "throughput.txt").read_text()
     assert f"{before / 1e9:.0f}/{after / 1e9:.0f}" in printed
+    assert "of roofline floor" in printed
+    args = build_parser().parse_args(["bench", "summary", str(tmp_path)])
+    assert args.handler(args) == 0
+    summary = capsys.readouterr().out
+    assert "tgengine fraction of roofline floor" in summary
 
 
 def test_a_peer_at_n_threads_is_compared_with_tgengine_at_n_threads() -> None:

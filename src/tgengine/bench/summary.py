@@ -30,6 +30,9 @@ def _rows(kind: str, r: dict[str, Any]) -> list[dict[str, Any]]:
         if tg:
             add("tgengine output tokens/s", tg["tokens_per_s"], "tok/s")
             add("tgengine fraction of compute floor", 100 * tg["fraction_of_compute_floor"], "%")
+            if "fraction_of_roofline_floor" in tg:  # JSON written before it existed: none
+                roofline = 100 * tg["fraction_of_roofline_floor"]
+                add("tgengine fraction of roofline floor", roofline, "%")
         for name, value in r.get("ratios", {}).items():
             if name.startswith("tgengine /"):
                 add(name, value, "x")
