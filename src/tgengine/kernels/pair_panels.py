@@ -131,14 +131,7 @@ def unpack_pair_panels(
         if out is None:
             out = torch.empty(rows, cols, dtype=torch.bfloat16)
         status = lib.tg_pair_panel_read_rows(
-            panels.data_ptr(),
-            panels.shape[1],
-            0,
-            rows,
-            cols,
-            out.data_ptr(),
-            cols,
-            torch.get_num_threads(),
+            panels.data_ptr(), panels.shape[1], rows, cols, out.data_ptr(), torch.get_num_threads()
         )
         if status != 0:
             raise ValueError(f"tg_pair_panel_read_rows refused {rows}x{cols}")
