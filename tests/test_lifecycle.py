@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+import weakref
 from pathlib import Path
 
 import anyio
@@ -18,6 +20,7 @@ from tgengine import (
     InvalidRequestError,
     open_engine,
 )
+from tgengine.models import gemm as gemm_module
 from tgengine.models import iter_safetensors
 from tgengine.models.gemm import can_prepack
 
@@ -166,6 +169,27 @@ async def test_20_sleep_wakeup_cycles(tiny_llama_dir: Path, level: int) -> None:
             assert tokens_of(await collect(engine, PROMPTS[1], params)) == want
             stats = engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_sleep_lets_the_unpacking_buffer_go(
+    tiny_llama_dir: Path, level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long prompt's products on AMX unpack their weights into a buffer of the compute
+    # thread's (up to 16 MiB), reused from product to product; a sleep hands it back. The
+    # buffer here stands in for it on any CPU (the module's thread-local, swapped for a
+    # namespace that every thread sees).
+    buffer = torch.empty(1024, dtype=torch.bfloat16)
+    gone = weakref.ref(buffer)
+    scratch = types.SimpleNamespace(buffer=buffer)
+    monkeypatch.setattr(gemm_module, "_scratch", scratch)
+    del buffer
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tiny_config(tiny_llama_dir)) as engine:
+            await engine.sleep(level)
+            assert not hasattr(scratch, "buffer") and gone() is None
+            await engine.wakeup()
+            assert len(tokens_of(await collect(engine, "x", greedy(3)))) == 3
 
 
 async def test_partial_wakeup_still_refuses(tiny_llama_dir: Path) -> None:

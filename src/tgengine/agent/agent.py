@@ -27,7 +27,7 @@ from ..models import (
     resolve_dtype,
     weight_specs,
 )
-from ..models.gemm import can_pack_panels
+from ..models.gemm import can_pack_panels, release_scratch
 from ..models.weights import copy_weights, drop_packed, pack_weights, resident_bytes
 from ..runtime.parallel import ParallelContext, local_cuda
 from ..sample.logits_processors import default_processors
@@ -389,6 +389,7 @@ class ModelAgent:
             self._host_weights = None
             if model is not None:
                 drop_packed(model)
+        release_scratch()  # this (the compute) thread's: every forward runs here
         free_device_memory()
 
     def _wakeup(self, tag: str) -> bool:

@@ -168,6 +168,12 @@ def _dense_scratch(rows: int, cols: int) -> torch.Tensor:
     return buffer[:size].view(rows, cols)
 
 
+def release_scratch() -> None:
+    """Let go of this thread's unpacking buffer (up to ``PAIRS_ONEDNN_MAX_ELEMENTS`` bf16
+    values, 16 MiB): a sleep hands it back, and the next long prompt makes it again."""
+    _scratch.__dict__.pop("buffer", None)
+
+
 def data_rows(blocks: Sequence[torch.Tensor]) -> int:
     """The rows of ``blocks`` one above the other."""
     return sum(int(b.shape[0]) for b in blocks)
