@@ -17,6 +17,7 @@ from tgengine.kernels.isa import isa
 from tgengine.kernels.pair_panels import (
     VARIANTS,
     empty_pair_panels,
+    gather_pair_panel_rows,
     pack_pair_panel_blocks,
     pack_pair_panels,
     pair_panel_linear,
@@ -104,6 +105,29 @@ def test_unpacking_reads_the_layout_back_exactly_in_one_pass(n: int, k: int) -> 
         unpack_pair_panels(panels, panels.shape[0] * 16 + 1, k)  # a row past the panels
     with pytest.raises(ValueError):
         unpack_pair_panels(panels, n, k, torch.empty(n, k + 1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_gathering_rows_reads_each_one_exactly(n: int, k: int) -> None:
+    # An embedding lookup on the panels (tg_pair_panel_gather_rows: a column of a panel per
+    # id, an odd last column) against the weight's own rows and the plain-torch form, for
+    # ids of any shape, repeated ones, none; an id outside the weight is an IndexError.
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    weight[-1, -1] = float("nan")  # bits, not values
+    panels = reference_panels(weight)
+    generator = torch.Generator().manual_seed(n * 1000 + k)
+    for shape in [(1,), (7,), (3, 5), (0,), (300,)]:
+        ids = torch.randint(0, n, shape, generator=generator)
+        ids.view(-1)[:1] = n - 1
+        got = gather_pair_panel_rows(panels, n, k, ids)
+        assert got.shape == (*shape, k)
+        assert torch.equal(got.view(torch.int16), weight[ids].view(torch.int16)), shape
+        plain = pair_panels._gather_torch(panels, n, k, ids)
+        assert torch.equal(plain.view(torch.int16), got.view(torch.int16)), shape
+    for bad in (n, -1):
+        for gather in (gather_pair_panel_rows, pair_panels._gather_torch):
+            with pytest.raises(IndexError):
+                gather(panels, n, k, torch.tensor([0, bad]))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -145,6 +145,7 @@ _SIGNATURES: dict[str, Sequence[type]] = {  # every function returns an int stat
     "tg_pair_panel_linear_fast": _PAIR_LINEAR,
     "tg_pair_panel_write_rows": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT],
     "tg_pair_panel_read_rows": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+    "tg_pair_panel_gather_rows": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT],
     "tg_cpu_has_avx512_bf16": [],
     "tg_cpu_has_amx": [],
     "tg_use_avx512_bf16": [_INT],

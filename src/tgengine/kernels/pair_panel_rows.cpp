@@ -157,3 +157,28 @@ extern "C" int tg_pair_panel_read_rows(const void* panels_, int64_t pairs, int64
   };
   return for_each_tile(0, rows, cols, threads, tile, last);
 }
+
+// Rows ids[0 .. n - 1] of the weight (an embedding lookup on a tied head's panels) into dst
+// (n x cols bf16, contiguous), exactly. A row is one column of its panel: the word at the same
+// place of each consecutive 64-byte line, pairs lines in a row, which the hardware reads ahead
+// on its own; torch's indexing of the same four-dimensional view took ~45 us for 32 rows in
+// cache, ~450 from memory (the Intel Xeon VM of docs/benchmarks.md). Returns 0, 1 when some
+// id is not in [0, rows) (nothing is written then), 2 for shapes that do not fit.
+extern "C" int tg_pair_panel_gather_rows(const void* panels_, int64_t pairs, int64_t rows,
+                                         const int64_t* ids, int64_t n, int64_t cols,
+                                         void* dst_, int threads) {
+  if (!fits(n, cols, 0, pairs, cols) || rows < 0) return 2;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= rows) return 1;
+  const auto* panels = static_cast<const uint32_t*>(panels_);
+  auto* dst = static_cast<uint16_t*>(dst_);
+  const int64_t full = cols / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * cols >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t* column = panels + ids[i] / kPanel * pairs * kPanel + ids[i] % kPanel;
+    uint16_t* out = dst + i * cols;
+    for (int64_t j = 0; j < full; ++j) std::memcpy(out + 2 * j, column + j * kPanel, 4);
+    if (cols % 2) out[cols - 1] = static_cast<uint16_t>(column[full * kPanel]);
+  }
+  return 0;
+}

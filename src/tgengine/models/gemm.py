@@ -123,9 +123,7 @@ class Panels:
     def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, ``[len(ids), k]`` (an embedding lookup)."""
         if self.pair_cols is not None:
-            width = pair_panels.PANEL
-            pairs = self.data[ids // width, :, ids % width, :]  # [len, k / 2, 2]
-            return pairs.reshape(*ids.shape, -1)[..., : self.pair_cols]
+            return pair_panels.gather_pair_panel_rows(self.data, self.rows, self.pair_cols, ids)
         if self.scales is None:
             return self.data[ids // kernels.PANEL, :, ids % kernels.PANEL]
         return kernels.dequantize_rows(self.data, self.scales, ids).to(self.dtype)
