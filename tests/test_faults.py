@@ -163,3 +163,25 @@ async def test_the_event_loop_stays_responsive_during_a_step(tiny_llama_dir: Pat
             await first.done.wait()
             engine.stop()
     assert first.finish_reason == "length"
+
+
+def test_the_cache_check_names_a_block_outside_the_cache() -> None:
+    # The agent's per-sequence check before a forward (``_cache_problem``): a table inside the
+    # cache passes; a block past its end or below 0 is named; positions past the table too.
+    from types import SimpleNamespace
+
+    from tgengine.agent.agent import ModelAgent
+    from tgengine.core.step import SeqStep
+
+    agent = ModelAgent.__new__(ModelAgent)
+    agent._kv = SimpleNamespace(block_size=16, num_blocks=10)  # type: ignore[assignment]
+    assert agent._cache_problem(SeqStep("a", [1], 40, [0, 9, 3])) is None
+    assert agent._cache_problem(SeqStep("b", [1], 0, [2, 10, 11])) == (
+        "block 10 is not in the cache (10 blocks)"
+    )
+    assert agent._cache_problem(SeqStep("c", [1], 0, [-1])) == (
+        "block -1 is not in the cache (10 blocks)"
+    )
+    assert agent._cache_problem(SeqStep("d", [1], 48, [0, 1, 2])) == (
+        "positions 48..48 are not in blocks 0..3"
+    )

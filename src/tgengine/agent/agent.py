@@ -347,9 +347,10 @@ class ModelAgent:
         first, num_blocks = seq.num_released_blocks, seq.num_released_blocks + len(seq.block_table)
         if last_pos // bs >= num_blocks or seq.start_pos // bs < first:
             return f"positions {seq.start_pos}..{last_pos} are not in blocks {first}..{num_blocks}"
-        for block in seq.block_table:
-            if not 0 <= block < self._kv.num_blocks:
-                return f"block {block} is not in the cache ({self._kv.num_blocks} blocks)"
+        table, num_cache_blocks = seq.block_table, self._kv.num_blocks
+        if table and (min(table) < 0 or max(table) >= num_cache_blocks):  # one pass each, in C
+            block = next(b for b in table if not 0 <= b < num_cache_blocks)
+            return f"block {block} is not in the cache ({num_cache_blocks} blocks)"
         return None
 
     def _forward(self, seqs: list[SeqStep], result: StepResult) -> None:
