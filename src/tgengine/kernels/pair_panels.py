@@ -26,6 +26,7 @@ gives back in one pass (``models.gemm.PAIRS_ONEDNN_MIN_ROWS``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -75,6 +76,15 @@ def empty_pair_panels(rows: int, cols: int, device: torch.device | str = "cpu") 
     return panels
 
 
+def _in_place_kernels(panels: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where they can read and write ``panels`` where they lie (a contiguous CPU
+    tensor); None: the torch forms run."""
+    lib = kernels.load()
+    return (
+        lib if lib is not None and panels.device.type == "cpu" and panels.is_contiguous() else None
+    )
+
+
 def write_pair_panel_rows(panels: torch.Tensor, rows: torch.Tensor, row0: int) -> bool:
     """Write ``rows`` (``[r, k]``, any float dtype: cast to bf16) as rows ``row0 ..
     row0 + r - 1`` of the weight ``panels`` holds, in place; False when some value was not
@@ -86,8 +96,8 @@ def write_pair_panel_rows(panels: torch.Tensor, rows: torch.Tensor, row0: int) -
     rows = rows.to(torch.bfloat16)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    lib = kernels.load()
-    if lib is None or panels.device.type != "cpu" or not panels.is_contiguous():
+    lib = _in_place_kernels(panels)
+    if lib is None:
         return _write_rows_torch(panels, rows, row0)
     status = lib.tg_pair_panel_write_rows(
         rows.data_ptr(),
@@ -126,8 +136,8 @@ def unpack_pair_panels(
         out.shape != (rows, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous()
     ):
         raise ValueError(f"unpack_pair_panels: out {tuple(out.shape)} for {rows}x{cols}")
-    lib = kernels.load()
-    if lib is not None and panels.device.type == "cpu" and panels.is_contiguous():
+    lib = _in_place_kernels(panels)
+    if lib is not None:
         if out is None:
             out = torch.empty(rows, cols, dtype=torch.bfloat16)
         status = lib.tg_pair_panel_read_rows(
@@ -147,8 +157,8 @@ def gather_pair_panel_rows(
     cols]``, exactly (an embedding lookup on a tied head's panels). ``IndexError`` for an id
     outside ``[0, rows)``. In one pass where the kernels load (32 rows from memory: ~0.27 ms
     against torch's indexing ~0.42; 2,000 rows 1.8 against 5.9 ms)."""
-    lib = kernels.load()
-    if lib is None or panels.device.type != "cpu" or not panels.is_contiguous():
+    lib = _in_place_kernels(panels)
+    if lib is None:
         return _gather_torch(panels, rows, cols, ids)
     flat = ids.reshape(-1).to(torch.long).contiguous()
     out = torch.empty(flat.shape[0], cols, dtype=torch.bfloat16)
